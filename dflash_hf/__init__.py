@@ -1,0 +1,33 @@
+"""DFlash block-diffusion speculative decoding for Hugging Face transformers.
+
+    import dflash_hf
+    drafter = dflash_hf.DFlashDraftModel.from_pretrained("z-lab/Qwen3-8B-DFlash-b16")
+    dflash_hf.enable(target)
+    target.generate(**inputs, assistant_model=drafter)
+"""
+
+from transformers import AutoConfig, AutoModel
+
+from .generation import DFlashCandidateGenerator, DFlashStats, enable, is_enabled
+from .modeling_dflash import DFlashConfig, DFlashDraftModel
+from .targets import check_compatible, compatibility_problems
+
+__version__ = "0.1.0"
+
+# New entries only: `dflash` was no model type before, so no existing mapping changes.
+AutoConfig.register(DFlashConfig.model_type, DFlashConfig, exist_ok=True)
+AutoModel.register(DFlashConfig, DFlashDraftModel, exist_ok=True)
+# save_pretrained then writes auto_map and copies modeling_dflash.py for trust_remote_code loading.
+DFlashConfig.register_for_auto_class("AutoConfig")
+DFlashDraftModel.register_for_auto_class("AutoModel")
+
+__all__ = [
+    "DFlashCandidateGenerator",
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "DFlashStats",
+    "check_compatible",
+    "compatibility_problems",
+    "enable",
+    "is_enabled",
+]

@@ -1,0 +1,172 @@
+"""Drafting a DFlash block for transformers' assisted-generation loop."""
+
+import time
+
+import torch
+from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers.generation.candidate_generator import CandidateGenerator
+
+from ..modeling_dflash import DFlashDraftModel
+from ..targets import apply_softcap, logit_softcap
+from .stats import DFlashStats
+
+# How drafts are proposed under `do_sample=True`: "argmax" proposes the drafter's most likely token
+# (q is one-hot, which rejection sampling keeps lossless); "sample" draws it from the drafter's q.
+PROPOSALS = ("argmax", "sample")
+
+
+class DFlashCandidateGenerator(CandidateGenerator):
+    """Drafts `block_size - 1` tokens per step from the target's hidden states.
+
+    transformers' loop calls `get_candidates` before each target forward and hands it the outputs of
+    the previous one. The drafter's cache holds the context of every committed token but the
+    anchor (the last one), so each step feeds only the newly committed tokens' hidden states plus the
+    block: O(block) work, the prefix is never re-encoded.
+
+    Args:
+        target (`PreTrainedModel`): the model being decoded; its embeddings and lm_head are used.
+        drafter (`DFlashDraftModel`): the DFlash drafter.
+        generation_config (`GenerationConfig`): the call's config (`max_length`, `do_sample`).
+        logits_processor (`LogitsProcessorList`, *optional*): applied to draft logits exactly as the
+            loop applies it to the target's, so that q and p see the same processing.
+        proposal (`str`, defaults to `"argmax"`): see `PROPOSALS`.
+    """
+
+    requires_model_outputs = True
+
+    def __init__(
+        self,
+        target: PreTrainedModel,
+        drafter: DFlashDraftModel,
+        generation_config: GenerationConfig,
+        logits_processor: LogitsProcessorList | None = None,
+        proposal: str = "argmax",
+    ):
+        if proposal not in PROPOSALS:
+            raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
+        self.drafter = drafter
+        self.embed_tokens = target.get_input_embeddings()
+        self.lm_head = target.get_output_embeddings()
+        self.softcap = logit_softcap(target)
+        self.block_size = drafter.config.block_size
+        self.layer_ids = drafter.config.target_layer_ids
+        self.max_length = generation_config.max_length
+        self.do_sample = bool(generation_config.do_sample)
+        self.logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
+        self.proposal = proposal
+        # Only the hidden states the drafter reads (hidden_states[i + 1]), unless the user asked for all.
+        wanted = True if generation_config.output_hidden_states else sorted({i + 1 for i in self.layer_ids})
+        self.model_kwargs_overrides = {"output_hidden_states": wanted}
+        self.mask_ids = torch.full((1, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long)
+        self.cache = DynamicCache()
+        self.padded = None  # whether the prompt has padding; decided once, at the first draft
+        self.stats = DFlashStats()
+        drafter.last_stats = self.stats
+        self._pending_drafts = None  # None until the prefill forward has been seen
+        self._clock = time.perf_counter()
+
+    def get_candidates(
+        self,
+        input_ids: torch.LongTensor,
+        model_kwargs: dict | None = None,
+        model_outputs=None,
+        is_first_iteration: bool = False,
+        **kwargs,
+    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Returns `(input_ids + drafts, draft scores)`: `(1, n + k)` ids and `(1, k, vocab)` scores.
+
+        The first call precedes the prefill, whose hidden states the drafter needs: it returns no
+        candidates, so the loop's first forward is a plain prefill.
+        """
+        start = time.perf_counter()
+        self._clock = start
+        num_drafts = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
+        if is_first_iteration or num_drafts <= 0:
+            self._pending_drafts = 0 if self._pending_drafts is not None else None
+            return input_ids, None
+
+        block_hidden = self._draft_block(input_ids, model_kwargs, model_outputs)
+        logits = self.lm_head(block_hidden[:, 1 : 1 + num_drafts].to(self.lm_head.weight.dtype))
+        drafts, scores = self._propose(input_ids, apply_softcap(logits, self.softcap).float())
+
+        self._pending_drafts = num_drafts
+        self._clock = time.perf_counter()
+        self.stats.draft_seconds += self._clock - start
+        return torch.cat([input_ids, drafts], dim=-1), scores
+
+    def _draft_block(self, input_ids, model_kwargs, model_outputs) -> torch.Tensor:
+        """One drafter forward over [anchor, mask x (B-1)]; returns its (1, B, hidden) output."""
+        device = self.drafter.device
+        anchor_index = input_ids.shape[1] - 1
+        cached = self.cache.get_seq_length()
+        # The last target forward started at index `cached`; its first `anchor_index - cached`
+        # positions are the newly committed tokens (the rest were rejected drafts).
+        num_new = anchor_index - cached
+        hidden_states = model_outputs.hidden_states
+        target_hidden = torch.cat([hidden_states[i + 1][:, :num_new] for i in self.layer_ids], dim=-1)
+
+        positions = model_kwargs.get("position_ids") if model_kwargs else None
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        block_positions = positions[:, -1:] + torch.arange(self.block_size, device=positions.device)
+        position_ids = torch.cat([positions[:, cached:anchor_index], block_positions], dim=-1)
+
+        attention_mask = model_kwargs.get("attention_mask") if model_kwargs else None
+        if self.padded is None:
+            self.padded = attention_mask is not None and not bool(attention_mask.all())
+        if self.padded:
+            block_ones = attention_mask.new_ones(attention_mask.shape[0], self.block_size)
+            attention_mask = torch.cat([attention_mask[:, :anchor_index], block_ones], dim=-1).to(device)
+        else:
+            attention_mask = None
+
+        block_ids = torch.cat([input_ids[:, -1:], self.mask_ids.to(input_ids.device)], dim=-1)
+        block_embeds = self.embed_tokens(block_ids.to(self.embed_tokens.weight.device))
+        output = self.drafter(
+            block_embeds=block_embeds.to(device),
+            target_hidden=target_hidden.to(device),
+            position_ids=position_ids.to(device),
+            cache=self.cache,
+            attention_mask=attention_mask,
+        )
+        # Keep committed context only: the block's keys/values change with every step.
+        self.cache.crop(-self.block_size)
+        return output.last_hidden_state
+
+    def _propose(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
+        """Turns (1, k, vocab) draft logits into k draft tokens and the scores q they were drawn from.
+
+        Processors see the same prefixes (prompt + earlier drafts) as the loop gives them for the
+        target's logits, so that the drafter's q and the target's p are processed alike.
+        """
+        sample = self.do_sample and self.proposal == "sample"
+        if len(self.logits_processor) == 0 and not sample:
+            scores, drafts = logits, logits.argmax(dim=-1)
+        else:
+            scores = torch.empty_like(logits)
+            ids = input_ids
+            for i in range(logits.shape[1]):
+                scores[:, i] = self.logits_processor(ids, logits[:, i])
+                if sample:
+                    token = torch.multinomial(scores[:, i].softmax(dim=-1), num_samples=1)
+                else:
+                    token = scores[:, i].argmax(dim=-1, keepdim=True)
+                ids = torch.cat([ids, token], dim=-1)
+            drafts = ids[:, input_ids.shape[1] :]
+        if self.do_sample and not sample:
+            # The proposal is deterministic: q is one-hot at the draft (still lossless under rejection sampling).
+            scores = torch.full_like(scores, float("-inf")).scatter_(-1, drafts[..., None], 0.0)
+        return drafts, scores
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
+        """Called by the loop after each target forward with the number of drafts it committed."""
+        now = time.perf_counter()
+        self.stats.verify_seconds += now - self._clock
+        self._clock = now
+        if self._pending_drafts is None:  # the prefill forward
+            self._pending_drafts = 0
+            return
+        accepted = int(num_matches)
+        self.stats.acceptance_lengths.append(accepted + 1)
+        self.stats.drafted_tokens += self._pending_drafts
+        self.stats.accepted_tokens += accepted

@@ -1,0 +1,93 @@
+"""`dflash_hf.enable(target)`: one target instance learns to draft with a DFlash drafter.
+
+Only that instance changes, and only when `generate` gets a `DFlashDraftModel` as
+`assistant_model`: its `_get_candidate_generator` then returns our candidate generator, and
+transformers' own assisted-generation loop verifies the drafts. Its class, config, other
+generation modes and every other model are untouched.
+"""
+
+import functools
+import types
+
+from transformers import PreTrainedModel
+
+from ..modeling_dflash import DFlashDraftModel
+from ..targets import check_compatible, is_stateful
+from .candidate_generator import DFlashCandidateGenerator
+
+_ENABLED = "_dflash_enabled"
+
+
+def enable(target: PreTrainedModel, proposal: str = "argmax") -> PreTrainedModel:
+    """Lets `target.generate(..., assistant_model=drafter)` use a DFlash drafter. Returns `target`.
+
+    Args:
+        target (`PreTrainedModel`): a causal LM (`AutoModelForCausalLM`), enabled in place.
+        proposal (`str`, defaults to `"argmax"`): how drafts are proposed under `do_sample=True`
+            (`"argmax"` or `"sample"`); greedy decoding ignores it.
+    """
+    if not isinstance(target, PreTrainedModel) or not target.can_generate():
+        raise TypeError(
+            f"dflash_hf.enable expects a transformers model that can generate (AutoModelForCausalLM), "
+            f"got {type(target).__name__}."
+        )
+    if isinstance(target, DFlashDraftModel):
+        raise TypeError("dflash_hf.enable takes the target model, not the drafter.")
+    if target.__dict__.get(_ENABLED):
+        target.__dict__[_ENABLED]["proposal"] = proposal
+        return target
+    settings = {"proposal": proposal}
+    original_generate = target.generate
+    original_get_candidate_generator = target._get_candidate_generator
+
+    @functools.wraps(original_generate)
+    def generate(*args, **kwargs):
+        drafter = kwargs.get("assistant_model")
+        if isinstance(drafter, DFlashDraftModel):
+            _check_call(target, drafter, args, kwargs)
+            # The drafter shares the target's tokenizer by construction; pipelines may still pass one.
+            kwargs.pop("assistant_tokenizer", None)
+        return original_generate(*args, **kwargs)
+
+    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+        if isinstance(assistant_model, DFlashDraftModel):
+            return DFlashCandidateGenerator(
+                self, assistant_model, generation_config, logits_processor, proposal=settings["proposal"]
+            )
+        return original_get_candidate_generator(
+            generation_config=generation_config,
+            input_ids=input_ids,
+            inputs_tensor=inputs_tensor,
+            logits_processor=logits_processor,
+            model_kwargs=model_kwargs,
+            assistant_model=assistant_model,
+            target_tokenizer=target_tokenizer,
+            assistant_tokenizer=assistant_tokenizer,
+        )
+
+    target.generate = generate
+    target._get_candidate_generator = types.MethodType(_get_candidate_generator, target)
+    target.__dict__[_ENABLED] = settings
+    return target
+
+
+def is_enabled(target) -> bool:
+    return bool(getattr(target, "__dict__", {}).get(_ENABLED))
+
+
+def _check_call(target: PreTrainedModel, drafter: DFlashDraftModel, args: tuple, kwargs: dict) -> None:
+    """Rejects, before any forward, what DFlash cannot do (yet) with this call."""
+    check_compatible(target, drafter)
+    if is_stateful(target):
+        raise ValueError(
+            f"{type(target).__name__} keeps a recurrent (linear-attention) state that cannot be rolled back "
+            "after a rejected draft, so DFlash cannot verify drafts on it yet; call generate without "
+            "assistant_model."
+        )
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
+    if inputs is not None and getattr(inputs, "ndim", 0) >= 2 and inputs.shape[0] > 1:
+        raise ValueError(
+            f"DFlash decodes one sequence at a time, got a batch of {inputs.shape[0]}; call generate once "
+            "per prompt."
+        )

@@ -1,0 +1,52 @@
+"""What one DFlash `generate()` call did, kept on the drafter as `drafter.last_stats`."""
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class DFlashStats:
+    """Counters of one generate call (reset at each call).
+
+    `acceptance_lengths` has one entry per verification forward of the target (the prefill forward
+    is not counted, as in the reference implementation): drafts accepted plus the one token the
+    target adds itself. Its mean is tau, the tokens committed per target forward.
+    """
+
+    acceptance_lengths: list[int] = field(default_factory=list)
+    drafted_tokens: int = 0  # drafts handed to the target for verification
+    accepted_tokens: int = 0  # of those, drafts the target committed
+    draft_seconds: float = 0.0  # in the drafter (context ingestion + block forward + lm_head)
+    verify_seconds: float = 0.0  # in the target's forward and acceptance, prefill included
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: tokens committed per verification forward (0.0 before any)."""
+        if not self.acceptance_lengths:
+            return 0.0
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens that were committed."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def num_target_forwards(self) -> int:
+        """Verification forwards plus the prefill."""
+        return len(self.acceptance_lengths) + 1
+
+    @property
+    def committed_tokens(self) -> int:
+        return sum(self.acceptance_lengths)
+
+    def as_dict(self) -> dict:
+        return {
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "num_target_forwards": self.num_target_forwards,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+        }

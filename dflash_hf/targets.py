@@ -1,0 +1,82 @@
+"""What differs per target family, and whether a target/drafter pair fits together.
+
+The drafter borrows the target's input embeddings (Gemma's carry the sqrt(hidden) scale inside the
+embedding module, so it is applied to every block position, masks included) and its lm_head (draft
+logits get the target's `final_logit_softcapping`, as Gemma's target logits do).
+"""
+
+import torch
+from transformers import PreTrainedModel
+
+from .modeling_dflash import DFlashDraftModel
+
+
+def text_config(target: PreTrainedModel):
+    return target.config.get_text_config()
+
+
+def logit_softcap(target: PreTrainedModel) -> float | None:
+    """The target's final logit soft-capping (Gemma), applied to draft logits too."""
+    return getattr(text_config(target), "final_logit_softcapping", None)
+
+
+def apply_softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
+    if softcap is None:
+        return logits
+    return torch.tanh(logits / softcap) * softcap
+
+
+def is_stateful(target: PreTrainedModel) -> bool:
+    """Targets with recurrent (linear-attention) layers: their cache cannot be cropped back."""
+    return bool(getattr(target, "_is_stateful", False))
+
+
+def compatibility_problems(target: PreTrainedModel, drafter: DFlashDraftModel) -> list[str]:
+    """Every reason the pair cannot run together, each naming the fix; empty when it can."""
+    if not isinstance(drafter, DFlashDraftModel):
+        return [f"expected a dflash_hf.DFlashDraftModel as the drafter, got {type(drafter).__name__}"]
+    target_cfg, draft_cfg = text_config(target), drafter.config
+    problems = []
+    if target.get_input_embeddings() is None or target.get_output_embeddings() is None:
+        return [
+            f"{type(target).__name__} has no input embeddings or no lm_head; load the target with "
+            "AutoModelForCausalLM"
+        ]
+    if target_cfg.hidden_size != draft_cfg.hidden_size:
+        problems.append(
+            f"hidden size differs: target {target_cfg.hidden_size}, drafter {draft_cfg.hidden_size}; "
+            "use the drafter trained for this target"
+        )
+    if target_cfg.vocab_size != draft_cfg.vocab_size:
+        problems.append(
+            f"vocab size differs: target {target_cfg.vocab_size}, drafter {draft_cfg.vocab_size}; "
+            "use the drafter trained for this target"
+        )
+    num_layers = target_cfg.num_hidden_layers
+    bad_ids = [i for i in draft_cfg.target_layer_ids if not 0 <= i < num_layers]
+    if bad_ids:
+        problems.append(
+            f"target_layer_ids {bad_ids} are out of range for a target with {num_layers} layers "
+            f"(valid: 0..{num_layers - 1}); the drafter was trained for another target"
+        )
+    if draft_cfg.num_target_layers is not None and draft_cfg.num_target_layers != num_layers:
+        problems.append(
+            f"the drafter was trained for a {draft_cfg.num_target_layers}-layer target, this one has "
+            f"{num_layers} layers; use the drafter trained for this target"
+        )
+    mask = draft_cfg.mask_token_id
+    if mask is None:
+        problems.append("the drafter config has no dflash_config.mask_token_id; set it to the id it was trained with")
+    elif not 0 <= mask < target.get_input_embeddings().num_embeddings:
+        problems.append(
+            f"mask_token_id {mask} is not in the target's vocabulary "
+            f"(0..{target.get_input_embeddings().num_embeddings - 1})"
+        )
+    return problems
+
+
+def check_compatible(target: PreTrainedModel, drafter: DFlashDraftModel) -> None:
+    """Raises a `ValueError` listing every incompatibility of the pair."""
+    problems = compatibility_problems(target, drafter)
+    if problems:
+        raise ValueError("This target and DFlash drafter do not fit together:\n- " + "\n- ".join(problems))
