@@ -134,3 +134,24 @@ class OracleDrafter(DFlashDraftModel):
         hidden = torch.linalg.solve(weight, targets.T).T  # lm_head(hidden) == targets
         output.last_hidden_state = hidden[None].to(output.last_hidden_state.dtype)
         return output
+
+
+def tokenizer():
+    """A character-level tokenizer over the tiny vocabulary (61 characters, <unk>, <eos>, <mask>)."""
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    characters = "abcdefghijklmnopqrstuvwxyz0123456789 .,:;()[]=+-*/_'!?#<>{}%&"
+    assert len(characters) == VOCAB - 3
+    vocab = {c: i for i, c in enumerate(characters)}
+    vocab.update({"<unk>": VOCAB - 3, "<eos>": VOCAB - 2, "<mask>": MASK_ID})
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex("."), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="<eos>",
+                                  pad_token="<eos>", mask_token="<mask>")
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    return tok

@@ -26,13 +26,13 @@ def enable(target: PreTrainedModel, proposal: str = "argmax") -> PreTrainedModel
         proposal (`str`, defaults to `"argmax"`): how drafts are proposed under `do_sample=True`
             (`"argmax"` or `"sample"`); greedy decoding ignores it.
     """
+    if isinstance(target, DFlashDraftModel):
+        raise TypeError("dflash_hf.enable takes the target model, not the drafter.")
     if not isinstance(target, PreTrainedModel) or not target.can_generate():
         raise TypeError(
             f"dflash_hf.enable expects a transformers model that can generate (AutoModelForCausalLM), "
             f"got {type(target).__name__}."
         )
-    if isinstance(target, DFlashDraftModel):
-        raise TypeError("dflash_hf.enable takes the target model, not the drafter.")
     if target.__dict__.get(_ENABLED):
         target.__dict__[_ENABLED]["proposal"] = proposal
         return target
@@ -43,6 +43,13 @@ def enable(target: PreTrainedModel, proposal: str = "argmax") -> PreTrainedModel
     @functools.wraps(original_generate)
     def generate(*args, **kwargs):
         drafter = kwargs.get("assistant_model")
+        if drafter is not None and not isinstance(drafter, DFlashDraftModel) and (
+            type(drafter).__name__ == "DFlashDraftModel"
+        ):
+            raise TypeError(
+                f"This DFlash drafter was loaded as remote code ({type(drafter).__module__}); load it with "
+                "`dflash_hf.DFlashDraftModel.from_pretrained(path)` to decode with dflash_hf."
+            )
         if isinstance(drafter, DFlashDraftModel):
             _check_call(target, drafter, args, kwargs)
             # The drafter shares the target's tokenizer by construction; pipelines may still pass one.

@@ -1,0 +1,70 @@
+"""enable() changes one target instance and nothing else."""
+
+import json
+import subprocess
+import sys
+
+import torch
+from transformers import GenerationMixin, Qwen3ForCausalLM
+
+import dflash_hf
+from tiny import drafter, qwen3_target
+
+
+def test_import_alone_patches_nothing():
+    code = (
+        "import transformers, transformers.generation.utils as u\n"
+        "from transformers import GenerationMixin, Qwen3ForCausalLM\n"
+        "before = (GenerationMixin.generate, GenerationMixin._get_candidate_generator, u._speculative_sampling,"
+        " Qwen3ForCausalLM.__dict__.copy())\n"
+        "import dflash_hf\n"
+        "after = (GenerationMixin.generate, GenerationMixin._get_candidate_generator, u._speculative_sampling,"
+        " Qwen3ForCausalLM.__dict__.copy())\n"
+        "assert before == after\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_enable_is_per_instance_and_idempotent():
+    enabled, other = qwen3_target(), qwen3_target()
+    assert dflash_hf.enable(enabled) is enabled and dflash_hf.enable(enabled) is enabled
+    assert dflash_hf.is_enabled(enabled) and not dflash_hf.is_enabled(other)
+    assert type(enabled) is Qwen3ForCausalLM
+    assert "generate" not in other.__dict__ and Qwen3ForCausalLM.generate is GenerationMixin.generate
+    prompt = torch.tensor([[5, 6, 7]])
+    assert torch.equal(enabled.generate(prompt, max_new_tokens=6, do_sample=False),
+                       other.generate(prompt, max_new_tokens=6, do_sample=False))
+
+
+def test_other_assistants_still_use_transformers_generators():
+    target = dflash_hf.enable(qwen3_target())
+    prompt = torch.tensor([[5, 6, 7, 5, 6]])
+    expected = target.generate(prompt, max_new_tokens=8, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=8, do_sample=False, prompt_lookup_num_tokens=3),
+                       expected)
+    assistant = qwen3_target(seed=1)
+    assert torch.equal(target.generate(prompt, max_new_tokens=8, do_sample=False, assistant_model=assistant),
+                       expected)
+
+
+def test_enabled_target_saves_its_own_architecture(tmp_path):
+    target = dflash_hf.enable(qwen3_target())
+    target.generate(torch.tensor([[1, 2]]), max_new_tokens=3, assistant_model=drafter(0))
+    target.save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"] and "auto_map" not in config
+    assert not (tmp_path / "modeling_dflash.py").exists()
+    reloaded = Qwen3ForCausalLM.from_pretrained(tmp_path)
+    assert not dflash_hf.is_enabled(reloaded)
+
+
+def test_stats_reset_at_each_call():
+    target = dflash_hf.enable(qwen3_target())
+    model = drafter(0)
+    target.generate(torch.tensor([[1, 2]]), max_new_tokens=9, assistant_model=model, do_sample=False)
+    first = model.last_stats
+    target.generate(torch.tensor([[1, 2]]), max_new_tokens=3, assistant_model=model, do_sample=False)
+    assert model.last_stats is not first and model.last_stats.committed_tokens == 2
+    stats = model.last_stats.as_dict()
+    assert stats["num_target_forwards"] == len(stats["acceptance_lengths"]) + 1
+    assert stats["draft_seconds"] > 0 and stats["verify_seconds"] > 0

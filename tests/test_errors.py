@@ -1,0 +1,133 @@
+"""Bad input fails at the boundary with an error that names the fix."""
+
+import json
+
+import pytest
+import torch
+from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+import dflash_hf
+from dflash_hf import DFlashConfig, DFlashDraftModel
+from test_checkpoint_format import ZLAB_CONFIG, write_zlab_folder, zlab_weights
+from tiny import TARGET_LAYERS, VOCAB, drafter, qwen3_target
+
+PROMPT = torch.tensor([[1, 2, 3]])
+
+
+@pytest.fixture(scope="module")
+def target():
+    return dflash_hf.enable(qwen3_target())
+
+
+def _generate(target, model, prompt=PROMPT):
+    return target.generate(prompt, max_new_tokens=4, do_sample=False, assistant_model=model)
+
+
+def test_target_not_enabled():
+    plain = qwen3_target()
+    with pytest.raises(ValueError, match=r"dflash_hf\.enable\(target\)"):
+        _generate(plain, drafter(0))
+
+
+def test_hidden_size_mismatch(target):
+    with pytest.raises(ValueError, match="hidden size differs: target 64, drafter 32"):
+        _generate(target, drafter(0, hidden_size=32))
+
+
+def test_vocab_mismatch(target):
+    with pytest.raises(ValueError, match="vocab size differs"):
+        _generate(target, drafter(0, vocab_size=VOCAB * 2))
+
+
+def test_target_layer_ids_out_of_range(target):
+    with pytest.raises(ValueError, match=r"target_layer_ids \[4\] are out of range .* \(valid: 0\.\.3"):
+        _generate(target, drafter(0, target_layer_ids=(1, TARGET_LAYERS)))
+
+
+def test_drafter_for_another_target_depth(target):
+    with pytest.raises(ValueError, match="trained for a 36-layer target"):
+        _generate(target, drafter(0, num_target_layers=36))
+
+
+def test_missing_mask_token(target):
+    with pytest.raises(ValueError, match="no dflash_config.mask_token_id"):
+        _generate(target, drafter(0, dflash_config={"target_layer_ids": [1, 2]}))
+
+
+def test_mask_token_outside_vocab(target):
+    with pytest.raises(ValueError, match="mask_token_id 64 is not in the target's vocabulary"):
+        _generate(target, drafter(0, dflash_config={"mask_token_id": VOCAB, "target_layer_ids": [1, 2]}))
+
+
+def test_batch_larger_than_one(target):
+    with pytest.raises(ValueError, match="batch of 2; call generate once per prompt"):
+        _generate(target, drafter(0), prompt=PROMPT.repeat(2, 1))
+
+
+def test_target_whose_cache_cannot_roll_back():
+    config = Qwen3_5TextConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    )
+    hybrid = dflash_hf.enable(Qwen3_5ForCausalLM(config).eval())
+    with pytest.raises(ValueError, match="cannot be rolled back"):
+        _generate(hybrid, drafter(0))
+
+
+@pytest.mark.parametrize("block_size", (0, 1))
+def test_block_size_below_two(block_size):
+    with pytest.raises(ValueError, match="block_size` must be an int >= 2"):
+        drafter(0, block_size=block_size)
+
+
+def test_not_a_dflash_config(tmp_path):
+    config = {k: v for k, v in ZLAB_CONFIG.items() if k not in ("dflash_config", "block_size", "auto_map")}
+    config["architectures"] = ["Qwen3ForCausalLM"]
+    write_zlab_folder(tmp_path, config=config, weights=zlab_weights(ZLAB_CONFIG))
+    with pytest.raises(ValueError, match="not a DFlash drafter config"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_missing_weights_file(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(ZLAB_CONFIG))
+    with pytest.raises(ValueError, match="Could not load DFlash drafter weights"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_only_pickle_weights(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps(ZLAB_CONFIG))
+    torch.save(zlab_weights(ZLAB_CONFIG), tmp_path / "pytorch_model.bin")
+    with pytest.raises(ValueError, match="safetensors"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_corrupt_weights_file(tmp_path):
+    write_zlab_folder(tmp_path)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="Could not load DFlash drafter weights"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_missing_and_misshapen_weights(tmp_path):
+    weights = zlab_weights(ZLAB_CONFIG)
+    del weights["layers.1.mlp.up_proj.weight"]
+    weights["fc.weight"] = weights["fc.weight"][:, :64].contiguous()
+    write_zlab_folder(tmp_path, weights=weights)
+    with pytest.raises(ValueError, match=r"missing weights \['layers\.1\.mlp\.up_proj\.weight'\].*wrong shapes \['fc\.weight'\]"):
+        DFlashDraftModel.from_pretrained(tmp_path)
+
+
+def test_sliding_layers_without_window():
+    with pytest.raises(ValueError, match="sliding_window"):
+        DFlashConfig(layer_types=["sliding_attention"], num_hidden_layers=1, sliding_window=None,
+                     dflash_config={"mask_token_id": 1, "target_layer_ids": [0]})
+
+
+def test_enable_rejects_non_generative_models():
+    with pytest.raises(TypeError, match="AutoModelForCausalLM"):
+        dflash_hf.enable(qwen3_target().model)
+    with pytest.raises(TypeError, match="not the drafter"):
+        dflash_hf.enable(drafter(0))

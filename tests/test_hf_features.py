@@ -1,0 +1,146 @@
+"""transformers generation features keep working with a DFlash drafter."""
+
+import pytest
+import torch
+from transformers import StoppingCriteria, StoppingCriteriaList, TextStreamer, pipeline
+from transformers.generation.streamers import BaseStreamer
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging
+
+import dflash_hf
+from tiny import OracleDrafter, drafter, qwen3_target, tokenizer
+
+
+@pytest.fixture(scope="module")
+def pair():
+    target = dflash_hf.enable(qwen3_target())
+    return target, drafter(0, block_size=4), tokenizer()
+
+
+def _oracle_for(target, prompt, max_new_tokens, block_size=8, **generate_kwargs):
+    expected = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, **generate_kwargs)
+    oracle = drafter(0, cls=OracleDrafter, block_size=block_size).arm(expected, target.get_output_embeddings())
+    return expected, oracle
+
+
+class Collect(BaseStreamer):
+    def __init__(self):
+        self.chunks = []
+
+    def put(self, value):
+        self.chunks.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended = True
+
+
+def test_streamer_receives_committed_tokens_in_order(pair):
+    target, _, _ = pair
+    prompt = torch.tensor([[3, 4, 5, 6]])
+    expected, oracle = _oracle_for(target, prompt, 20)
+    streamer = Collect()
+    output = target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=oracle, streamer=streamer)
+    assert torch.equal(output, expected) and streamer.ended
+    assert streamer.chunks[0] == prompt[0].tolist()
+    assert sum(streamer.chunks[1:], []) == output[0, prompt.shape[1]:].tolist()
+    assert max(len(chunk) for chunk in streamer.chunks[1:]) > 1  # whole accepted blocks at once
+
+
+def test_text_streamer_prints_the_generated_text(pair, capsys):
+    target, model, tok = pair
+    inputs = tok("def fib(n):", return_tensors="pt")
+    output = target.generate(**inputs, max_new_tokens=12, do_sample=False, assistant_model=model,
+                             streamer=TextStreamer(tok, skip_prompt=True))
+    printed = capsys.readouterr().out
+    assert printed.strip() == tok.decode(output[0, inputs.input_ids.shape[1]:]).strip()
+
+
+def test_several_eos_tokens(pair):
+    target, _, _ = pair
+    prompt = torch.tensor([[9, 8, 7]])
+    reference = target.generate(prompt, max_new_tokens=25, do_sample=False)
+    eos = [int(reference[0, 3 + 12]), int(reference[0, 3 + 6])]
+    expected, oracle = _oracle_for(target, prompt, 25, eos_token_id=eos)
+    assert expected.shape[1] <= 3 + 7
+    oracle.arm(reference, target.get_output_embeddings())
+    actual = target.generate(prompt, max_new_tokens=25, do_sample=False, eos_token_id=eos, assistant_model=oracle)
+    assert torch.equal(actual, expected)
+
+
+def test_stop_strings(pair):
+    target, model, tok = pair
+    inputs = tok("hello", return_tensors="pt")
+    reference = target.generate(**inputs, max_new_tokens=20, do_sample=False)
+    stop = tok.decode(reference[0, 5 + 7])  # the 8th new word
+    expected = target.generate(**inputs, max_new_tokens=20, do_sample=False, stop_strings=stop, tokenizer=tok)
+    actual = target.generate(**inputs, max_new_tokens=20, do_sample=False, stop_strings=stop, tokenizer=tok,
+                             assistant_model=model)
+    # transformers stops after the block holding the stop string; both end with it and agree up to it
+    cut = expected.shape[1]
+    assert cut < reference.shape[1]
+    assert torch.equal(actual[:, :cut], expected) and tok.decode(actual[0, 5:]).find(stop) >= 0
+
+
+def test_custom_stopping_criteria(pair):
+    target, model, _ = pair
+
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 10, dtype=torch.bool)
+
+    prompt = torch.tensor([[1, 2, 3]])
+    criteria = StoppingCriteriaList([StopAtLength()])
+    expected = target.generate(prompt, max_new_tokens=30, do_sample=False, stopping_criteria=criteria)
+    actual = target.generate(prompt, max_new_tokens=30, do_sample=False, stopping_criteria=criteria,
+                             assistant_model=model)
+    assert torch.equal(actual[:, : expected.shape[1]], expected) and actual.shape[1] >= 10
+
+
+def test_attention_mask_and_left_padding(pair):
+    target, model, _ = pair
+    prompt = torch.tensor([[62, 62, 5, 6, 7, 8]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])
+    expected = target.generate(prompt, attention_mask=mask, max_new_tokens=15, do_sample=False)
+    actual = target.generate(prompt, attention_mask=mask, max_new_tokens=15, do_sample=False, assistant_model=model)
+    assert torch.equal(actual, expected)
+    ones = torch.ones_like(prompt)
+    expected = target.generate(prompt, attention_mask=ones, max_new_tokens=15, do_sample=False)
+    actual = target.generate(prompt, attention_mask=ones, max_new_tokens=15, do_sample=False, assistant_model=model)
+    assert torch.equal(actual, expected)
+
+
+def test_return_dict_in_generate(pair):
+    target, _, _ = pair
+    prompt = torch.tensor([[4, 4, 2]])
+    expected, oracle = _oracle_for(target, prompt, 14)
+    out = target.generate(prompt, max_new_tokens=14, do_sample=False, assistant_model=oracle,
+                          return_dict_in_generate=True, output_scores=True, output_logits=True)
+    assert torch.equal(out.sequences, expected)
+    assert len(out.scores) == len(out.logits) == 14
+    assert torch.equal(torch.stack(out.scores, 1).argmax(-1), expected[:, 3:])
+
+
+def test_output_hidden_states_still_complete(pair):
+    target, model, _ = pair
+    prompt = torch.tensor([[4, 5, 6]])
+    out = target.generate(prompt, max_new_tokens=6, do_sample=False, assistant_model=model,
+                          return_dict_in_generate=True, output_hidden_states=True)
+    assert all(h is not None for step in out.hidden_states for h in step)
+
+
+def test_chat_template_and_pipeline(pair):
+    target, model, tok = pair
+    logger = logging.get_logger("transformers.pipelines.base")
+    with CaptureLogger(logger) as captured:
+        pipe = pipeline("text-generation", model=target, tokenizer=tok)
+    assert "not supported" not in captured.out
+    messages = [{"role": "user", "content": "write fib"}]
+    expected = pipe(messages, max_new_tokens=10, do_sample=False)
+    actual = pipe(messages, max_new_tokens=10, do_sample=False, assistant_model=model)
+    assert actual == expected
+    assert model.last_stats.committed_tokens == 9
+    text_expected = pipe("x = 1", max_new_tokens=8, do_sample=False)
+    assert pipe("x = 1", max_new_tokens=8, do_sample=False, assistant_model=model) == text_expected
+    # a pipeline may hand over the (shared) tokenizer for the assistant too
+    assert pipe("x = 1", max_new_tokens=8, do_sample=False, assistant_model=model,
+                assistant_tokenizer=tok) == text_expected
