@@ -158,9 +158,9 @@ class DFlashAttention(nn.Module):
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
 
-        attention_interface: Callable = eager_attention_forward
-        if self.config._attn_implementation != "eager":
-            attention_interface = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation]
+        attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
+            self.config._attn_implementation, eager_attention_forward
+        )
         attn_output, _ = attention_interface(
             self,
             query,
@@ -284,6 +284,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         (non-padding) key; sliding layers see keys with 0 <= query - key < sliding_window.
         """
         flash = self.config._attn_implementation.startswith(("flash", "paged"))
+        # flash and the dflash_block kernel apply the window and in-block causality themselves
+        applies_window = flash or self.config._attn_implementation == "dflash_block"
         masks: dict[str, torch.Tensor | None] = {}
         padding = None
         if attention_mask is not None and not bool(attention_mask.all()):
@@ -292,8 +294,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             padding = attention_mask[:, None, None, :kv_len].bool()
         masks["full_attention"] = None if padding is None else _to_additive(padding, dtype)
         if "sliding_attention" in self.config.layer_types:
-            if flash and padding is None:
-                masks["sliding_attention"] = None  # flash applies window and causality itself
+            if applies_window and padding is None:
+                masks["sliding_attention"] = None
             else:
                 query_index = torch.arange(kv_len - q_len, kv_len, device=device)[:, None]
                 key_index = torch.arange(kv_len, device=device)[None, :]

@@ -123,15 +123,15 @@ class OracleDrafter(DFlashDraftModel):
         output = super().forward(block_embeds, target_hidden, position_ids, cache, attention_mask, **kwargs)
 
         block_positions = position_ids[0, -block_embeds.shape[1]:]
-        wanted = torch.full_like(block_positions, MASK_ID)
+        wanted = torch.zeros_like(block_positions)
         in_script = block_positions < self.script.shape[0]
         wanted[in_script] = self.script[block_positions[in_script]]
         self.steps += 1
         if self.wrong_every and self.steps % self.wrong_every == 0 and self.wrong_slot < wanted.shape[0]:
-            wanted[self.wrong_slot] = (wanted[self.wrong_slot] + 1) % (VOCAB - 1)
+            wanted[self.wrong_slot] = (wanted[self.wrong_slot] + 1) % (self.lm_head.weight.shape[0] - 1)
         weight = self.lm_head.weight.detach().float()
         targets = torch.nn.functional.one_hot(wanted, weight.shape[0]).float() * 20.0
-        hidden = torch.linalg.solve(weight, targets.T).T  # lm_head(hidden) == targets
+        hidden = (torch.linalg.pinv(weight) @ targets.T).T  # lm_head(hidden) == targets (vocab <= hidden)
         output.last_hidden_state = hidden[None].to(output.last_hidden_state.dtype)
         return output
 

@@ -10,9 +10,12 @@ from ..modeling_dflash import DFlashDraftModel
 from ..targets import apply_softcap, logit_softcap
 from .stats import DFlashStats
 
-# How drafts are proposed under `do_sample=True`: "argmax" proposes the drafter's most likely token
-# (q is one-hot, which rejection sampling keeps lossless); "sample" draws it from the drafter's q.
-PROPOSALS = ("argmax", "sample")
+# How drafts are proposed and verified under `do_sample=True` (all three are lossless):
+# - "argmax": the drafter's most likely token, q one-hot; rejection sampling accepts it with prob p(d).
+# - "sample": a draw from the drafter's q; rejection sampling accepts with prob min(1, p(d) / q(d)).
+# - "match": argmax drafts kept only where they equal an independent sample of the target (the
+#   reference implementation's rule; kept to measure the others against).
+PROPOSALS = ("argmax", "sample", "match")
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
@@ -92,6 +95,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self._pending_drafts = num_drafts
         self._clock = time.perf_counter()
         self.stats.draft_seconds += self._clock - start
+        if self.do_sample and self.proposal == "match":
+            scores = None  # transformers then samples the target per position and keeps equal drafts
         return torch.cat([input_ids, drafts], dim=-1), scores
 
     def _draft_block(self, input_ids, model_kwargs, model_outputs) -> torch.Tensor:
@@ -153,7 +158,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
                     token = scores[:, i].argmax(dim=-1, keepdim=True)
                 ids = torch.cat([ids, token], dim=-1)
             drafts = ids[:, input_ids.shape[1] :]
-        if self.do_sample and not sample:
+        if self.do_sample and self.proposal == "argmax":
             # The proposal is deterministic: q is one-hot at the draft (still lossless under rejection sampling).
             scores = torch.full_like(scores, float("-inf")).scatter_(-1, drafts[..., None], 0.0)
         return drafts, scores

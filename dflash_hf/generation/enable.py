@@ -13,7 +13,7 @@ from transformers import PreTrainedModel
 
 from ..modeling_dflash import DFlashDraftModel
 from ..targets import check_compatible, is_stateful
-from .candidate_generator import DFlashCandidateGenerator
+from .candidate_generator import PROPOSALS, DFlashCandidateGenerator
 
 _ENABLED = "_dflash_enabled"
 
@@ -24,7 +24,8 @@ def enable(target: PreTrainedModel, proposal: str = "argmax") -> PreTrainedModel
     Args:
         target (`PreTrainedModel`): a causal LM (`AutoModelForCausalLM`), enabled in place.
         proposal (`str`, defaults to `"argmax"`): how drafts are proposed under `do_sample=True`
-            (`"argmax"` or `"sample"`); greedy decoding ignores it.
+            (`"argmax"`, `"sample"` or `"match"`, see `candidate_generator.PROPOSALS`); greedy
+            decoding ignores it.
     """
     if isinstance(target, DFlashDraftModel):
         raise TypeError("dflash_hf.enable takes the target model, not the drafter.")
@@ -33,6 +34,8 @@ def enable(target: PreTrainedModel, proposal: str = "argmax") -> PreTrainedModel
             f"dflash_hf.enable expects a transformers model that can generate (AutoModelForCausalLM), "
             f"got {type(target).__name__}."
         )
+    if proposal not in PROPOSALS:
+        raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
     if target.__dict__.get(_ENABLED):
         target.__dict__[_ENABLED]["proposal"] = proposal
         return target
