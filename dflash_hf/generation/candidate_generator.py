@@ -33,6 +33,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         logits_processor (`LogitsProcessorList`, *optional*): applied to draft logits exactly as the
             loop applies it to the target's, so that q and p see the same processing.
         proposal (`str`, defaults to `"argmax"`): see `PROPOSALS`.
+        verify_length (`int`, *optional*): hand the target at most this many drafts per step. The
+            drafter still drafts its whole trained block (shortening its input hurts acceptance).
     """
 
     requires_model_outputs = True
@@ -44,14 +46,18 @@ class DFlashCandidateGenerator(CandidateGenerator):
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None = None,
         proposal: str = "argmax",
+        verify_length: int | None = None,
     ):
         if proposal not in PROPOSALS:
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
+        if verify_length is not None and (not isinstance(verify_length, int) or verify_length < 1):
+            raise ValueError(f"verify_length must be a positive int or None, got {verify_length!r}")
         self.drafter = drafter
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.softcap = logit_softcap(target)
         self.block_size = drafter.config.block_size
+        self.max_drafts = self.block_size - 1 if verify_length is None else min(verify_length, self.block_size - 1)
         self.layer_ids = drafter.config.target_layer_ids
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
@@ -83,7 +89,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         """
         start = time.perf_counter()
         self._clock = start
-        num_drafts = min(self.block_size - 1, self.max_length - input_ids.shape[1] - 1)
+        num_drafts = min(self.max_drafts, self.max_length - input_ids.shape[1] - 1)
         if is_first_iteration or num_drafts <= 0:
             self._pending_drafts = 0 if self._pending_drafts is not None else None
             return input_ids, None

@@ -18,7 +18,7 @@ from .candidate_generator import PROPOSALS, DFlashCandidateGenerator
 _ENABLED = "_dflash_enabled"
 
 
-def enable(target: PreTrainedModel, proposal: str = "argmax") -> PreTrainedModel:
+def enable(target: PreTrainedModel, proposal: str = "argmax", verify_length: int | None = None) -> PreTrainedModel:
     """Lets `target.generate(..., assistant_model=drafter)` use a DFlash drafter. Returns `target`.
 
     Args:
@@ -26,6 +26,8 @@ def enable(target: PreTrainedModel, proposal: str = "argmax") -> PreTrainedModel
         proposal (`str`, defaults to `"argmax"`): how drafts are proposed under `do_sample=True`
             (`"argmax"`, `"sample"` or `"match"`, see `candidate_generator.PROPOSALS`); greedy
             decoding ignores it.
+        verify_length (`int`, *optional*): verify at most this many drafts per target forward
+            (default: all `block_size - 1`). Calling `enable` again changes both settings.
     """
     if isinstance(target, DFlashDraftModel):
         raise TypeError("dflash_hf.enable takes the target model, not the drafter.")
@@ -36,10 +38,12 @@ def enable(target: PreTrainedModel, proposal: str = "argmax") -> PreTrainedModel
         )
     if proposal not in PROPOSALS:
         raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
+    if verify_length is not None and (not isinstance(verify_length, int) or verify_length < 1):
+        raise ValueError(f"verify_length must be a positive int or None, got {verify_length!r}")
     if target.__dict__.get(_ENABLED):
-        target.__dict__[_ENABLED]["proposal"] = proposal
+        target.__dict__[_ENABLED].update(proposal=proposal, verify_length=verify_length)
         return target
-    settings = {"proposal": proposal}
+    settings = {"proposal": proposal, "verify_length": verify_length}
     original_generate = target.generate
     original_get_candidate_generator = target._get_candidate_generator
 
@@ -62,9 +66,7 @@ def enable(target: PreTrainedModel, proposal: str = "argmax") -> PreTrainedModel
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                                  assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
         if isinstance(assistant_model, DFlashDraftModel):
-            return DFlashCandidateGenerator(
-                self, assistant_model, generation_config, logits_processor, proposal=settings["proposal"]
-            )
+            return DFlashCandidateGenerator(self, assistant_model, generation_config, logits_processor, **settings)
         return original_get_candidate_generator(
             generation_config=generation_config,
             input_ids=input_ids,
@@ -84,6 +86,13 @@ def enable(target: PreTrainedModel, proposal: str = "argmax") -> PreTrainedModel
 
 def is_enabled(target) -> bool:
     return bool(getattr(target, "__dict__", {}).get(_ENABLED))
+
+
+def dflash_settings(target) -> dict:
+    """The settings `enable` stored on `target` (a copy), e.g. to restore them after a sweep."""
+    if not is_enabled(target):
+        raise ValueError("call dflash_hf.enable(target) first")
+    return dict(target.__dict__[_ENABLED])
 
 
 def _check_call(target: PreTrainedModel, drafter: DFlashDraftModel, args: tuple, kwargs: dict) -> None:

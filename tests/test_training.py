@@ -1,0 +1,217 @@
+"""DFlash training: anchors, block mask, loss weights, the loop (learning, resume) and the saved drafter."""
+
+import math
+
+import pytest
+import torch
+
+import dflash_hf
+import tiny
+from dflash_hf import DFlashDraftModel
+from dflash_hf.training import data as tdata
+from dflash_hf.training import objective
+from dflash_hf.training.trainer import TrainConfig, latest_checkpoint, make_drafter_config, train_drafter
+
+
+def pattern_examples(n=24, length=40, prompt=6, seed=0):
+    """Sequences where token t+1 = (t + 3) % 60: learnable from the anchor alone."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(n):
+        start = int(torch.randint(0, 60, (1,), generator=g))
+        ids = [(start + 3 * i) % 60 for i in range(length)]
+        out.append({"input_ids": ids, "loss_mask": [0] * prompt + [1] * (length - prompt)})
+    return out
+
+
+def small_config(tmp_path, **kw):
+    base = dict(output_dir=str(tmp_path / "out"), block_size=4, num_draft_layers=1, mask_token_id=tiny.MASK_ID,
+                epochs=1, batch_size=4, max_anchors=16, learning_rate=3e-3, progress=False, log_every=1,
+                warmup_ratio=0.0)
+    base.update(kw)
+    return TrainConfig(**base)
+
+
+def test_slot_weights():
+    w = objective.slot_weights(16)
+    assert w[0] == 0
+    assert torch.allclose(w[1:], torch.exp(-torch.arange(15.0) / 7.0))
+    w8 = objective.slot_weights(8)
+    assert math.isclose(float(w8[5]), math.exp(-4 / 4.0), rel_tol=1e-6)
+    assert objective.default_gamma(16) == 7.0 and objective.default_gamma(8) == 4.0
+
+
+def test_valid_anchors_need_token_and_next_in_loss_mask():
+    mask = torch.tensor([0, 0, 1, 1, 1, 0, 1, 1, 0])
+    assert objective.valid_anchor_positions(mask).tolist() == [2, 3, 6]
+    g = torch.Generator().manual_seed(0)
+    picked = objective.sample_anchors(torch.ones(100, dtype=torch.long), 10, g)
+    assert picked.numel() == 10 and picked.unique().numel() == 10 and bool((picked[1:] > picked[:-1]).all())
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_block_mask_matches_bruteforce(window):
+    anchors = torch.tensor([[2, 7, 4], [1, 3, -1]])
+    allowed = objective.block_attention_allowed(anchors, context_len=10, block_size=4, sliding_window=window)
+    assert allowed.shape == (2, 1, 12, 22)
+    for row in range(2):
+        ref = torch.tensor(objective.reference_block_mask(anchors[row].tolist(), 10, 4, window))
+        assert torch.equal(allowed[row, 0], ref)
+
+
+def test_build_blocks_labels():
+    ids = torch.tensor([[10, 11, 12, 13, 14, 15, 0, 0]])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 0, 0]])
+    blocks = objective.build_blocks(ids, mask, torch.tensor([6]), 4, 63, max_anchors=8)
+    assert blocks["anchors"].tolist() == [[2, 3, 4]]
+    assert blocks["block_ids"].view(3, 4)[:, 0].tolist() == [12, 13, 14]
+    assert (blocks["block_ids"].view(3, 4)[:, 1:] == 63).all()
+    labels = blocks["labels"].view(3, 4).tolist()
+    assert labels == [[-100, 13, 14, 15], [-100, 14, 15, -100], [-100, 15, -100, -100]]
+    assert blocks["block_positions"].view(3, 4)[1].tolist() == [3, 4, 5, 6]
+
+
+def test_chunked_cross_entropy_matches_naive():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    weight = torch.randn(50, 16)
+    labels = torch.randint(0, 50, (37,))
+    w = torch.rand(37)
+    for softcap in (None, 5.0):
+        total, correct = objective.chunked_linear_cross_entropy(hidden, weight, labels, w, chunk_size=8, softcap=softcap)
+        (grad,) = torch.autograd.grad(total * 2, hidden)
+        logits = hidden @ weight.T
+        if softcap:
+            logits = torch.tanh(logits / softcap) * softcap
+        naive = (torch.nn.functional.cross_entropy(logits, labels, reduction="none") * w).sum()
+        (naive_grad,) = torch.autograd.grad(naive * 2, hidden)
+        assert torch.allclose(total, naive, atol=1e-4)
+        assert torch.allclose(grad, naive_grad, atol=1e-5)
+        assert torch.equal(correct, logits.argmax(-1) == labels)
+
+
+@pytest.mark.parametrize("sliding", [False, True])
+def test_block_forward_equals_drafter_forward_per_block(sliding):
+    """One batched forward with the block mask == the drafter's own forward on each block alone."""
+    target = tiny.qwen3_target()
+    extra = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6) if sliding else {}
+    drafter = tiny.drafter(block_size=4, **extra)
+    ids = torch.randint(0, 60, (1, 12))
+    feats = tdata.target_layer_features(target, ids, None, drafter.config.target_layer_ids)
+    anchors = torch.tensor([[3, 8]])
+    positions = (anchors[:, :, None] + torch.arange(4)).flatten(1)
+    block_ids = torch.full((1, 2, 4), tiny.MASK_ID)
+    block_ids[0, :, 0] = ids[0, anchors[0]]
+    embeds = target.get_input_embeddings()(block_ids.flatten(1))
+    with torch.no_grad():
+        batched = objective.drafter_block_forward(drafter, embeds, feats, anchors, positions)
+        for a, anchor in enumerate(anchors[0].tolist()):
+            pos = torch.cat([torch.arange(anchor), torch.arange(anchor, anchor + 4)])[None]
+            alone = drafter(embeds[:, a * 4 : a * 4 + 4], feats[:, :anchor], pos).last_hidden_state
+            assert torch.allclose(batched[:, a * 4 : a * 4 + 4], alone, atol=1e-5)
+
+
+def test_training_learns_pattern(tmp_path):
+    target = tiny.qwen3_target()
+    cfg = small_config(tmp_path, epochs=12, num_draft_layers=2)
+    drafter, result = train_drafter(target, pattern_examples(), cfg, save=False, checkpoints=False)
+    history = result["history"]
+    first = sum(h["loss"] for h in history[:3]) / 3
+    last = sum(h["loss"] for h in history[-3:]) / 3
+    # The tiny random lm_head caps the logit scale, so the loss falls slowly while accuracy climbs.
+    assert last < 0.85 * first
+    assert history[0]["accuracy"] < 0.2
+    assert result["final"]["accuracy"] > 0.8
+    assert result["global_step"] == 12 * 6
+
+
+def test_resume_restores_step_and_optimizer(tmp_path):
+    target = tiny.qwen3_target()
+    examples = pattern_examples(n=16)
+    full_cfg = small_config(tmp_path / "a", epochs=2, checkpoint_every=3)
+    full, full_result = train_drafter(target, examples, full_cfg)
+    assert full_result["global_step"] == 8
+
+    # Interrupted run: stop after 3 steps (a checkpoint is written), then resume to the end.
+    part_cfg = small_config(tmp_path / "b", epochs=2, checkpoint_every=3, stop_after_steps=3)
+    train_drafter(target, examples, part_cfg)
+    checkpoint = latest_checkpoint(part_cfg.output_dir)
+    assert checkpoint is not None and checkpoint.name == "step-3"
+    resumed_cfg = small_config(tmp_path / "b", epochs=2, checkpoint_every=3)
+    resumed, resumed_result = train_drafter(target, examples, resumed_cfg, resume=True)
+    assert resumed_result["global_step"] == 8
+    assert resumed_result["history"][0]["step"] == 1  # history carried over from the checkpoint
+    for (name, a), (_, b) in zip(full.named_parameters(), resumed.named_parameters()):
+        assert torch.allclose(a, b, atol=1e-5), name
+
+
+def test_resume_loads_optimizer_state(tmp_path):
+    target = tiny.qwen3_target()
+    cfg = small_config(tmp_path, epochs=1, max_steps=2, checkpoint_every=2)
+    train_drafter(target, pattern_examples(n=8), cfg)
+    checkpoint = latest_checkpoint(cfg.output_dir)
+    import json
+    state = json.loads((checkpoint / "trainer_state.json").read_text())
+    assert state["global_step"] == 2
+    optimizer_file = next(checkpoint.glob("optimizer*.bin"))
+    saved = torch.load(optimizer_file, weights_only=False)
+    assert all(int(s["step"]) == 2 for s in saved["state"].values())
+
+
+def test_data_regenerated_by_target():
+    target = tiny.llama_target()
+    prompts = [[1, 2, 3], [5, 6, 7, 8, 9], [4]]
+    examples = tdata.generate_responses(target, prompts, max_new_tokens=6, batch_size=2, stop_ids=[], progress=False)
+    for prompt, example in zip(prompts, examples):
+        n = len(prompt)
+        assert example["input_ids"][:n] == prompt
+        assert example["loss_mask"] == [0] * n + [1] * 6
+        greedy = target.generate(torch.tensor([prompt]), max_new_tokens=6, do_sample=False)
+        assert example["input_ids"] == greedy[0].tolist()
+
+
+def test_build_dataset_resumes(tmp_path):
+    target = tiny.llama_target()
+    path = tmp_path / "data.jsonl"
+    first = tdata.build_dataset(target, [[1, 2], [3, 4]], path, max_new_tokens=3, stop_ids=[], progress=False)
+    lines = path.read_text().splitlines()
+    again = tdata.build_dataset(target, [[1, 2], [3, 4], [7]], path, max_new_tokens=3, stop_ids=[], progress=False)
+    assert again[:2] == first and len(path.read_text().splitlines()) == len(lines) + 1
+
+
+def test_docstring_prompts_offline():
+    prompts = tdata.docstring_prompts(20, seed=1, modules=["textwrap", "json", "itertools"])
+    assert len(prompts) == 20 and all(isinstance(p, str) and len(p) > 20 for p in prompts)
+    assert tdata.docstring_prompts(20, seed=1, modules=["textwrap", "json", "itertools"]) == prompts
+
+
+def test_drafter_config_from_target():
+    target = tiny.llama_target()
+    config = make_drafter_config(target, block_size=8, num_draft_layers=2, mask_token_id=tiny.MASK_ID)
+    assert config.hidden_size == tiny.HIDDEN and config.num_target_layers == tiny.TARGET_LAYERS
+    assert config.target_layer_ids == [1, 1] or len(config.target_layer_ids) == 2
+    with pytest.raises(ValueError, match="vocabulary"):
+        make_drafter_config(target, mask_token_id=10_000)
+
+
+def test_trained_drafter_saves_loads_and_drafts_losslessly(tmp_path):
+    """Train on the target's own greedy outputs, save, reload, and decode through generate."""
+    target = tiny.llama_target()
+    prompts = [[int(x) for x in torch.randint(0, 60, (4,), generator=torch.Generator().manual_seed(i))] for i in range(16)]
+    examples = tdata.generate_responses(target, prompts, max_new_tokens=24, batch_size=8, stop_ids=[], progress=False)
+    cfg = small_config(tmp_path, epochs=20, num_draft_layers=2, target_layer_ids=[1, 2], max_anchors=32)
+    untrained = DFlashDraftModel(make_drafter_config(target, 4, 2, tiny.MASK_ID, [1, 2]))
+    _, result = train_drafter(target, examples, cfg, drafter=untrained)
+    out = tmp_path / "out"
+    assert (out / "config.json").is_file() and (out / "README.md").is_file()
+    assert not any("embed" in k or "lm_head" in k for k in __import__("safetensors.torch").torch.load_file(out / "model.safetensors"))
+    loaded = DFlashDraftModel.from_pretrained(out)
+    dflash_hf.enable(target)
+    taus = []
+    for prompt in prompts[:4]:
+        ids = torch.tensor([prompt])
+        plain = target.generate(ids, max_new_tokens=24, do_sample=False)
+        fast = target.generate(ids, max_new_tokens=24, do_sample=False, assistant_model=loaded)
+        assert torch.equal(plain, fast)
+        taus.append(loaded.last_stats.mean_acceptance_length)
+    assert sum(taus) / len(taus) > 1.3, taus
