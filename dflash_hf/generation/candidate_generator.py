@@ -8,6 +8,7 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling_dflash import DFlashDraftModel
 from ..targets import apply_softcap, logit_softcap
+from .rollback import RollbackCache, replay
 from .stats import DFlashStats
 
 # How drafts are proposed and verified under `do_sample=True` (all three are lossless):
@@ -52,6 +53,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
             raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
         if verify_length is not None and (not isinstance(verify_length, int) or verify_length < 1):
             raise ValueError(f"verify_length must be a positive int or None, got {verify_length!r}")
+        self.target = target
         self.drafter = drafter
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
@@ -89,6 +91,10 @@ class DFlashCandidateGenerator(CandidateGenerator):
         """
         start = time.perf_counter()
         self._clock = start
+        target_cache = model_kwargs.get("cache") if model_kwargs else None
+        rollback = isinstance(target_cache, RollbackCache)
+        if rollback:
+            model_outputs = self._sync_target_state(input_ids, target_cache, model_outputs)
         num_drafts = min(self.max_drafts, self.max_length - input_ids.shape[1] - 1)
         if is_first_iteration or num_drafts <= 0:
             self._pending_drafts = 0 if self._pending_drafts is not None else None
@@ -103,7 +109,16 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.stats.draft_seconds += self._clock - start
         if self.do_sample and self.proposal == "match":
             scores = None  # transformers then samples the target per position and keeps equal drafts
+        if rollback:
+            target_cache.snapshot()
         return torch.cat([input_ids, drafts], dim=-1), scores
+
+    def _sync_target_state(self, input_ids, cache: RollbackCache, model_outputs):
+        """Hybrid targets: after a rejection the cache was rolled back to before the verification;
+        replay the committed tokens so that every layer's state covers exactly `input_ids[:, :-1]`."""
+        if cache.replay_from is None:
+            return model_outputs
+        return replay(self.target, cache, input_ids, self.model_kwargs_overrides, self.stats)
 
     def _draft_block(self, input_ids, model_kwargs, model_outputs) -> torch.Tensor:
         """One drafter forward over [anchor, mask x (B-1)]; returns its (1, B, hidden) output."""

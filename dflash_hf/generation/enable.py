@@ -14,6 +14,7 @@ from transformers import PreTrainedModel
 from ..modeling_dflash import DFlashDraftModel
 from ..targets import check_compatible, is_stateful
 from .candidate_generator import PROPOSALS, DFlashCandidateGenerator
+from .rollback import RollbackCache, check_rollback_supported
 
 _ENABLED = "_dflash_enabled"
 
@@ -61,6 +62,8 @@ def enable(target: PreTrainedModel, proposal: str = "argmax", verify_length: int
             _check_call(target, drafter, args, kwargs)
             # The drafter shares the target's tokenizer by construction; pipelines may still pass one.
             kwargs.pop("assistant_tokenizer", None)
+            if is_stateful(target):
+                return _generate_stateful(target, original_generate, args, kwargs)
         return original_generate(*args, **kwargs)
 
     def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
@@ -95,15 +98,31 @@ def dflash_settings(target) -> dict:
     return dict(target.__dict__[_ENABLED])
 
 
+def _generate_stateful(target, original_generate, args, kwargs):
+    """Hybrid targets run in transformers' assisted loop too, with a `RollbackCache`.
+
+    transformers refuses stateful models there because their cache cannot be cropped; this one can
+    (it snapshots before each verification and replays the committed tokens after a rejection), so
+    the refusal is lifted for this call on this instance only.
+    """
+    if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+        raise ValueError(
+            f"DFlash on {type(target).__name__} manages the target's cache itself (it must be rolled back "
+            "after rejected drafts); call generate without cache/past_key_values."
+        )
+    cache = RollbackCache(config=target.config)
+    check_rollback_supported(cache.layers)
+    kwargs["cache"] = cache
+    target.__dict__["_is_stateful"] = False
+    try:
+        return original_generate(*args, **kwargs)
+    finally:
+        del target.__dict__["_is_stateful"]
+
+
 def _check_call(target: PreTrainedModel, drafter: DFlashDraftModel, args: tuple, kwargs: dict) -> None:
     """Rejects, before any forward, what DFlash cannot do (yet) with this call."""
     check_compatible(target, drafter)
-    if is_stateful(target):
-        raise ValueError(
-            f"{type(target).__name__} keeps a recurrent (linear-attention) state that cannot be rolled back "
-            "after a rejected draft, so DFlash cannot verify drafts on it yet; call generate without "
-            "assistant_model."
-        )
     inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
     if inputs is not None and getattr(inputs, "ndim", 0) >= 2 and inputs.shape[0] > 1:
         raise ValueError(

@@ -17,6 +17,8 @@ class DFlashStats:
     accepted_tokens: int = 0  # of those, drafts the target committed
     draft_seconds: float = 0.0  # in the drafter (context ingestion + block forward + lm_head)
     verify_seconds: float = 0.0  # in the target's forward and acceptance, prefill included
+    replay_forwards: int = 0  # hybrid targets: forwards that re-ran committed tokens after a rejection
+    replay_seconds: float = 0.0  # their time (also inside draft_seconds)
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -49,4 +51,6 @@ class DFlashStats:
             "accepted_tokens": self.accepted_tokens,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
+            "replay_forwards": self.replay_forwards,
+            "replay_seconds": self.replay_seconds,
         }

@@ -1,0 +1,140 @@
+"""Hybrid linear-attention targets (Qwen3.5/3.6): lossless DFlash with state rollback."""
+
+import pytest
+import torch
+from transformers import DynamicCache, Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+import dflash_hf
+from dflash_hf.generation import candidate_generator, rollback
+from tiny import MASK_ID, TARGET_LAYERS, VOCAB, OracleDrafter, drafter
+
+
+def hybrid_target(seed=0, vocab_size=VOCAB):
+    torch.manual_seed(seed)
+    config = Qwen3_5TextConfig(
+        vocab_size=vocab_size, hidden_size=64, intermediate_size=96, num_hidden_layers=TARGET_LAYERS,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention", "linear_attention", "full_attention", "linear_attention"],
+        tie_word_embeddings=False, eos_token_id=None, pad_token_id=None, bos_token_id=None,
+    )
+    return dflash_hf.enable(Qwen3_5ForCausalLM(config).eval())
+
+
+@pytest.fixture(scope="module")
+def target():
+    return hybrid_target()
+
+
+def _prompt(seed, length=6):
+    return torch.randint(0, MASK_ID, (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.fixture
+def state_checks(monkeypatch, target):
+    """Before each draft, compare the live cache with a fresh forward over the committed tokens."""
+    checks = []
+    original = candidate_generator.DFlashCandidateGenerator._sync_target_state
+
+    def checked(self, input_ids, cache, model_outputs):
+        outputs = original(self, input_ids, cache, model_outputs)
+        if cache.get_seq_length() == 0:  # the call before the prefill
+            return outputs
+        fresh = DynamicCache(config=target.config)
+        with torch.no_grad():
+            target(input_ids[:, :-1], cache=fresh, use_cache=True)
+        for live_layer, fresh_layer in zip(cache.layers, fresh.layers):
+            if rollback.is_linear(live_layer):
+                torch.testing.assert_close(live_layer.recurrent_states[0], fresh_layer.recurrent_states[0],
+                                           atol=1e-5, rtol=1e-4)
+                kernel = fresh_layer.conv_kernel_size[0]
+                torch.testing.assert_close(live_layer.conv_states[0][..., -kernel:],
+                                           fresh_layer.conv_states[0][..., -kernel:], atol=1e-5, rtol=1e-4)
+            else:
+                assert live_layer.keys.shape == fresh_layer.keys.shape
+                torch.testing.assert_close(live_layer.keys, fresh_layer.keys, atol=1e-5, rtol=1e-4)
+        checks.append(input_ids.shape[1])
+        return outputs
+
+    monkeypatch.setattr(candidate_generator.DFlashCandidateGenerator, "_sync_target_state", checked)
+    return checks
+
+
+@pytest.mark.parametrize("block_size", (4, 16))
+@pytest.mark.parametrize("wrong_every", (0, 2, 3))
+def test_oracle_drafter_greedy_equality_and_exact_state(target, state_checks, block_size, wrong_every):
+    prompt = _prompt(block_size + wrong_every)
+    expected = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    oracle = drafter(0, cls=OracleDrafter, block_size=block_size).arm(
+        expected, target.get_output_embeddings(), wrong_every=wrong_every)
+    actual = target.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=oracle)
+    assert torch.equal(actual, expected)
+    stats = oracle.last_stats
+    assert stats.mean_acceptance_length > 1 and len(state_checks) == len(stats.acceptance_lengths)  # every step
+    # one replay after every rejection that another step follows; full acceptance costs none
+    rejections = sum(1 for length in stats.acceptance_lengths[:-1] if length < block_size)
+    assert stats.replay_forwards == rejections
+    assert rejections > 0 or wrong_every == 0 or block_size == 16
+
+
+@pytest.mark.parametrize("seed", (0, 1, 2))
+@pytest.mark.parametrize("block_size", (4, 16))
+def test_random_drafter_greedy_equality(target, state_checks, seed, block_size):
+    model = drafter(seed, block_size=block_size)
+    for length, max_new_tokens in ((1, 5), (9, 20)):
+        prompt = _prompt(seed * 10 + length, length)
+        expected = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)
+        assert torch.equal(
+            target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=model), expected)
+
+
+def test_eos_inside_a_block(target):
+    prompt = _prompt(5)
+    reference = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    eos = int(reference[0, prompt.shape[1] + 9])
+    expected = target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos)
+    oracle = drafter(0, cls=OracleDrafter, block_size=16).arm(reference, target.get_output_embeddings(),
+                                                              wrong_every=2)
+    assert torch.equal(target.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=eos,
+                                       assistant_model=oracle), expected)
+
+
+def test_state_check_catches_a_missing_rollback(target, state_checks, monkeypatch):
+    def crop_without_restoring(self, tokens_to_remove):
+        self._snapshot = None
+        for layer in self.layers:
+            if not rollback.is_linear(layer):
+                layer.crop(tokens_to_remove)
+
+    monkeypatch.setattr(rollback.RollbackCache, "crop", crop_without_restoring)
+    prompt = _prompt(4)
+    expected = target.generate(prompt, max_new_tokens=20, do_sample=False)
+    oracle = drafter(0, cls=OracleDrafter, block_size=4).arm(expected, target.get_output_embeddings(), wrong_every=2)
+    with pytest.raises(AssertionError):
+        target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=oracle)
+
+
+def test_refusal_is_lifted_only_during_the_call(target):
+    target.generate(_prompt(1), max_new_tokens=4, do_sample=False, assistant_model=drafter(0))
+    assert type(target)._is_stateful and target._is_stateful and "_is_stateful" not in target.__dict__
+    with pytest.raises(ValueError, match="stateful"):  # other assistants are still refused by transformers
+        target.generate(_prompt(1), max_new_tokens=4, do_sample=False, assistant_model=hybrid_target(seed=1))
+
+
+def test_user_cache_is_refused(target):
+    with pytest.raises(ValueError, match="manages the target's cache itself"):
+        target.generate(_prompt(1), max_new_tokens=4, assistant_model=drafter(0),
+                        cache=DynamicCache(config=target.config))
+
+
+def test_sampling_keeps_the_target_distribution():
+    from test_sampling import ALPHA, E2E_VOCAB, _oracle, _processors, chi_square_pvalue, exact_first_three, sample_first_three
+
+    sampler = hybrid_target(seed=3, vocab_size=E2E_VOCAB)
+    with torch.no_grad():
+        sampler.lm_head.weight.mul_(12.0)
+    expected = exact_first_three(sampler, _processors(temperature=1.0))
+    oracle = _oracle(sampler)
+    observed, accepted = sample_first_three(sampler, oracle, {"temperature": 1.0}, samples=1000)
+    assert chi_square_pvalue(observed, expected) > ALPHA
+    assert accepted > 100
