@@ -7,9 +7,12 @@
   `norm_topk_prob`.
 - Gemma-4 as `AutoModelForCausalLM` loads the published checkpoints: `Gemma4ForConditionalGeneration`
   (text-only prompts; tests/test_greedy_equality.py covers `Gemma4ForCausalLM`).
-- Qwen3-Next (Qwen3-Coder-Next) and Qwen3.5-MoE (Qwen3.5/3.6-A3B/A10B) are hybrid linear-attention
-  models (`_is_stateful`): DFlash must refuse them with a clear error until state rollback lands.
+- Qwen3-Next (Qwen3-Coder-Next), Qwen3.5 and Qwen3.5-MoE (Qwen3.5/3.6, dense and MoE) are hybrid linear-attention
+  models (`_is_stateful`): greedy equality through the state rollback where the tree has it
+  (dflash_hf/generation/rollback.py), otherwise the clear refusal.
 """
+
+import importlib.util
 
 import pytest
 import torch
@@ -18,8 +21,10 @@ from transformers import (
     Gemma4ForConditionalGeneration,
     GptOssConfig,
     GptOssForCausalLM,
+    Qwen3_5ForCausalLM,
     Qwen3_5MoeForCausalLM,
     Qwen3_5MoeTextConfig,
+    Qwen3_5TextConfig,
     Qwen3MoeConfig,
     Qwen3MoeForCausalLM,
     Qwen3NextConfig,
@@ -221,6 +226,15 @@ def _qwen3_next_target():
     return Qwen3NextForCausalLM(config).eval()
 
 
+def _qwen3_5_target():
+    torch.manual_seed(0)
+    config = Qwen3_5TextConfig(**_common(
+        linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        layer_types=["linear_attention"] * 3 + ["full_attention"],
+    ))
+    return Qwen3_5ForCausalLM(config).eval()
+
+
 def _qwen3_5_moe_target():
     torch.manual_seed(0)
     config = Qwen3_5MoeTextConfig(**_common(
@@ -231,13 +245,54 @@ def _qwen3_5_moe_target():
     return Qwen3_5MoeForCausalLM(config).eval()
 
 
-@pytest.mark.parametrize("build", (_qwen3_next_target, _qwen3_5_moe_target), ids=("qwen3-next", "qwen3.5-moe"))
-def test_hybrid_linear_attention_targets_are_refused(build):
-    hybrid = build()
-    assert hybrid._is_stateful and hybrid.config.vocab_size == VOCAB
-    dflash_hf.enable(hybrid)
+HYBRIDS = {"qwen3-next": _qwen3_next_target, "qwen3.5": _qwen3_5_target, "qwen3.5-moe": _qwen3_5_moe_target}
+# Hybrid targets decode through the state rollback (dflash_hf/generation/rollback.py) where this tree
+# has it; without it they must be refused before any forward, with the error naming the reason.
+HAS_ROLLBACK = importlib.util.find_spec("dflash_hf.generation.rollback") is not None
+
+
+@pytest.fixture(scope="module", params=sorted(HYBRIDS))
+def hybrid(request):
+    model = HYBRIDS[request.param]()
+    assert model._is_stateful and model.config.vocab_size == VOCAB
+    return dflash_hf.enable(model)
+
+
+@pytest.mark.skipif(HAS_ROLLBACK, reason="this tree rolls hybrid targets back; see the greedy-equality tests below")
+def test_hybrid_linear_attention_targets_are_refused(hybrid):
     prompt = _prompt(1, 5)
     with pytest.raises(ValueError, match="cannot be rolled back after a rejected draft"):
         hybrid.generate(prompt, max_new_tokens=5, do_sample=False, assistant_model=drafter(0))
     # ...and the error's advice holds: without the drafter the enabled target decodes as before.
     assert hybrid.generate(prompt, max_new_tokens=3, do_sample=False).shape == (1, 8)
+
+
+@pytest.mark.skipif(not HAS_ROLLBACK, reason="no state rollback in this tree: hybrid targets are refused")
+@pytest.mark.parametrize("block_size", BLOCK_SIZES)
+def test_hybrid_targets_match_plain_greedy(hybrid, block_size):
+    for length in (1, 9):
+        prompt = _prompt(length, length)
+        expected = hybrid.generate(prompt, max_new_tokens=30, do_sample=False)
+        actual = hybrid.generate(prompt, max_new_tokens=30, do_sample=False,
+                                 assistant_model=drafter(length, block_size=block_size))
+        assert torch.equal(actual, expected), length
+        # Partial acceptances: the recurrent state must come back to the committed tokens exactly.
+        oracle = drafter(0, cls=OracleDrafter, block_size=block_size).arm(
+            expected, hybrid.get_output_embeddings(), wrong_every=2)
+        assert torch.equal(hybrid.generate(prompt, max_new_tokens=30, do_sample=False, assistant_model=oracle),
+                           expected), length
+        assert 2 in oracle.last_stats.acceptance_lengths and block_size in oracle.last_stats.acceptance_lengths
+
+
+@pytest.mark.skipif(not HAS_ROLLBACK, reason="no state rollback in this tree: hybrid targets are refused")
+def test_hybrid_eos_inside_a_drafted_block(hybrid):
+    prompt = _prompt(11, 5)
+    reference = hybrid.generate(prompt, max_new_tokens=30, do_sample=False)
+    new_tokens = reference[0, prompt.shape[1]:].tolist()
+    index = next(i for i in range(9, len(new_tokens)) if new_tokens[i] not in new_tokens[:i])
+    expected = hybrid.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=new_tokens[index])
+    assert expected.shape[1] == prompt.shape[1] + index + 1
+    oracle = drafter(0, cls=OracleDrafter, block_size=16).arm(reference, hybrid.get_output_embeddings())
+    actual = hybrid.generate(prompt, max_new_tokens=30, do_sample=False, eos_token_id=new_tokens[index],
+                             assistant_model=oracle)
+    assert torch.equal(actual, expected)

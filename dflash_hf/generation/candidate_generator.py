@@ -33,7 +33,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         generation_config (`GenerationConfig`): the call's config (`max_length`, `do_sample`).
         logits_processor (`LogitsProcessorList`, *optional*): applied to draft logits exactly as the
             loop applies it to the target's, so that q and p see the same processing.
-        proposal (`str`, defaults to `"argmax"`): see `PROPOSALS`.
+        proposal (`str`, defaults to `"sample"`): see `PROPOSALS`; `benchmarks/sampling.py` measured
+            it best (its acceptance is 1 - TV(p, q) where argmax's is p(argmax q), as low as "match").
         verify_length (`int`, *optional*): hand the target at most this many drafts per step. The
             drafter still drafts its whole trained block (shortening its input hurts acceptance).
     """
@@ -46,7 +47,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         drafter: DFlashDraftModel,
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None = None,
-        proposal: str = "argmax",
+        proposal: str = "sample",
         verify_length: int | None = None,
     ):
         if proposal not in PROPOSALS:
@@ -129,7 +130,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # positions are the newly committed tokens (the rest were rejected drafts).
         num_new = anchor_index - cached
         hidden_states = model_outputs.hidden_states
-        target_hidden = torch.cat([hidden_states[i + 1][:, :num_new] for i in self.layer_ids], dim=-1)
+        # per-layer hidden states may sit on different GPUs (device_map): gather them on the drafter's
+        target_hidden = torch.cat([hidden_states[i + 1][:, :num_new].to(device) for i in self.layer_ids], dim=-1)
 
         positions = model_kwargs.get("position_ids") if model_kwargs else None
         if positions is None:
@@ -150,7 +152,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         block_embeds = self.embed_tokens(block_ids.to(self.embed_tokens.weight.device))
         output = self.drafter(
             block_embeds=block_embeds.to(device),
-            target_hidden=target_hidden.to(device),
+            target_hidden=target_hidden,
             position_ids=position_ids.to(device),
             cache=self.cache,
             attention_mask=attention_mask,

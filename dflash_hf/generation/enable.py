@@ -19,12 +19,12 @@ from .rollback import RollbackCache, check_rollback_supported
 _ENABLED = "_dflash_enabled"
 
 
-def enable(target: PreTrainedModel, proposal: str = "argmax", verify_length: int | None = None) -> PreTrainedModel:
+def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int | None = None) -> PreTrainedModel:
     """Lets `target.generate(..., assistant_model=drafter)` use a DFlash drafter. Returns `target`.
 
     Args:
         target (`PreTrainedModel`): a causal LM (`AutoModelForCausalLM`), enabled in place.
-        proposal (`str`, defaults to `"argmax"`): how drafts are proposed under `do_sample=True`
+        proposal (`str`, defaults to `"sample"`): how drafts are proposed under `do_sample=True`
             (`"argmax"`, `"sample"` or `"match"`, see `candidate_generator.PROPOSALS`); greedy
             decoding ignores it.
         verify_length (`int`, *optional*): verify at most this many drafts per target forward
