@@ -1,8 +1,9 @@
-"""`dflash-hf` command line: `train` and `bench` (each subcommand is a `(add_arguments, run)` pair in
-`COMMANDS`; `demo` and `check` plug in the same way).
+"""`dflash-hf` command line: `train`, `bench` and `check` (each subcommand is a `(help, add_arguments,
+run)` entry in `COMMANDS`).
 
     dflash-hf train --target smollm2 --output-dir runs/smollm2-dflash
     dflash-hf bench --target smollm2 --drafter runs/smollm2-dflash --prompts humaneval:20
+    dflash-hf check Qwen/Qwen3-8B z-lab/Qwen3-8B-DFlash-b16
 """
 
 from __future__ import annotations
@@ -167,9 +168,39 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---------------------------------------------------------------------------------------------- check
+def add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("target", help="Hub id or local folder of the target (only its config.json is read)")
+    parser.add_argument("drafter", help="Hub id or local folder of the DFlash drafter (only its config.json is read)")
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Compatibility of a target/drafter pair from their configs, without loading weights or generating."""
+    from transformers import AutoConfig
+
+    from .modeling_dflash import DFlashConfig
+    from .targets import config_problems, describe_pair
+
+    try:
+        target_config = AutoConfig.from_pretrained(args.target)
+        drafter_config = DFlashConfig.from_pretrained(args.drafter)
+    except (OSError, ValueError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 2
+    for line in describe_pair(target_config, drafter_config):
+        print(line)
+    problems = config_problems(target_config, drafter_config)
+    if problems:
+        print("NOT compatible:\n- " + "\n- ".join(problems))
+        return 1
+    print("compatible")
+    return 0
+
+
 COMMANDS = {
     "train": ("distill a DFlash drafter for a causal LM target", add_train_arguments, run_train),
     "bench": ("plain greedy generate vs DFlash on the same prompts", add_bench_arguments, run_bench),
+    "check": ("whether a target and a DFlash drafter fit together (configs only)", add_check_arguments, run_check),
 }
 
 

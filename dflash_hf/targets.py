@@ -35,13 +35,18 @@ def compatibility_problems(target: PreTrainedModel, drafter: DFlashDraftModel) -
     """Every reason the pair cannot run together, each naming the fix; empty when it can."""
     if not isinstance(drafter, DFlashDraftModel):
         return [f"expected a dflash_hf.DFlashDraftModel as the drafter, got {type(drafter).__name__}"]
-    target_cfg, draft_cfg = text_config(target), drafter.config
-    problems = []
     if target.get_input_embeddings() is None or target.get_output_embeddings() is None:
         return [
             f"{type(target).__name__} has no input embeddings or no lm_head; load the target with "
             "AutoModelForCausalLM"
         ]
+    return config_problems(target.config, drafter.config, target.get_input_embeddings().num_embeddings)
+
+
+def config_problems(target_config, draft_cfg, embedding_rows: int | None = None) -> list[str]:
+    """`compatibility_problems` from the two configs alone (no weights loaded)."""
+    target_cfg = target_config.get_text_config()
+    problems = []
     if target_cfg.hidden_size != draft_cfg.hidden_size:
         problems.append(
             f"hidden size differs: target {target_cfg.hidden_size}, drafter {draft_cfg.hidden_size}; "
@@ -65,14 +70,45 @@ def compatibility_problems(target: PreTrainedModel, drafter: DFlashDraftModel) -
             f"{num_layers} layers; use the drafter trained for this target"
         )
     mask = draft_cfg.mask_token_id
+    rows = embedding_rows if embedding_rows is not None else target_cfg.vocab_size
     if mask is None:
         problems.append("the drafter config has no dflash_config.mask_token_id; set it to the id it was trained with")
-    elif not 0 <= mask < target.get_input_embeddings().num_embeddings:
-        problems.append(
-            f"mask_token_id {mask} is not in the target's vocabulary "
-            f"(0..{target.get_input_embeddings().num_embeddings - 1})"
-        )
+    elif not 0 <= mask < rows:
+        problems.append(f"mask_token_id {mask} is not in the target's vocabulary (0..{rows - 1})")
     return problems
+
+
+def describe_pair(target_config, draft_cfg) -> list[str]:
+    """What DFlash will do with this pair: block, layers read, RoPE, how the target's cache is rolled back."""
+    target_cfg = target_config.get_text_config()
+    layer_types = list(getattr(target_cfg, "layer_types", None) or [])
+    hybrid = any("linear" in kind for kind in layer_types)
+    sliding = [i for i, kind in enumerate(draft_cfg.layer_types) if kind == "sliding_attention"]
+    lines = [
+        f"target: {target_cfg.model_type}, {target_cfg.num_hidden_layers} layers, hidden {target_cfg.hidden_size}, "
+        f"vocab {target_cfg.vocab_size}",
+        f"drafter: {draft_cfg.num_hidden_layers} layers, block_size {draft_cfg.block_size}, reads target layers "
+        f"{draft_cfg.target_layer_ids}, mask token {draft_cfg.mask_token_id}",
+        f"drafter RoPE: {(draft_cfg.rope_parameters or {}).get('rope_type', 'default')} "
+        f"(theta {(draft_cfg.rope_parameters or {}).get('rope_theta')}); target RoPE: "
+        f"{_rope_summary(target_cfg)}",
+        "drafter sliding-window layers: " + (f"{sliding} (window {draft_cfg.sliding_window})" if sliding else "none"),
+        "target cache: " + (
+            "hybrid linear attention, rolled back by snapshot + replay after rejected drafts" if hybrid
+            else "attention only, cropped after rejected drafts"
+        ),
+    ]
+    softcap = getattr(target_cfg, "final_logit_softcapping", None)
+    if softcap is not None:
+        lines.append(f"draft logits soft-capped at {softcap} like the target's")
+    return lines
+
+
+def _rope_summary(config) -> str:
+    rope = getattr(config, "rope_parameters", None) or {}
+    if rope and all(isinstance(value, dict) for value in rope.values()):  # per layer type (Gemma)
+        return ", ".join(f"{kind}: {params.get('rope_type', 'default')}" for kind, params in rope.items())
+    return f"{rope.get('rope_type', 'default')} (theta {rope.get('rope_theta')})"
 
 
 def check_compatible(target: PreTrainedModel, drafter: DFlashDraftModel) -> None:

@@ -8,11 +8,9 @@
 - Gemma-4 as `AutoModelForCausalLM` loads the published checkpoints: `Gemma4ForConditionalGeneration`
   (text-only prompts; tests/test_greedy_equality.py covers `Gemma4ForCausalLM`).
 - Qwen3-Next (Qwen3-Coder-Next), Qwen3.5 and Qwen3.5-MoE (Qwen3.5/3.6, dense and MoE) are hybrid linear-attention
-  models (`_is_stateful`): greedy equality through the state rollback where the tree has it
-  (dflash_hf/generation/rollback.py), otherwise the clear refusal.
+  models (`_is_stateful`): greedy equality through the state rollback (dflash_hf/generation/rollback.py).
 """
 
-import importlib.util
 
 import pytest
 import torch
@@ -246,9 +244,7 @@ def _qwen3_5_moe_target():
 
 
 HYBRIDS = {"qwen3-next": _qwen3_next_target, "qwen3.5": _qwen3_5_target, "qwen3.5-moe": _qwen3_5_moe_target}
-# Hybrid targets decode through the state rollback (dflash_hf/generation/rollback.py) where this tree
-# has it; without it they must be refused before any forward, with the error naming the reason.
-HAS_ROLLBACK = importlib.util.find_spec("dflash_hf.generation.rollback") is not None
+# Hybrid targets decode through the state rollback (dflash_hf/generation/rollback.py).
 
 
 @pytest.fixture(scope="module", params=sorted(HYBRIDS))
@@ -258,16 +254,6 @@ def hybrid(request):
     return dflash_hf.enable(model)
 
 
-@pytest.mark.skipif(HAS_ROLLBACK, reason="this tree rolls hybrid targets back; see the greedy-equality tests below")
-def test_hybrid_linear_attention_targets_are_refused(hybrid):
-    prompt = _prompt(1, 5)
-    with pytest.raises(ValueError, match="cannot be rolled back after a rejected draft"):
-        hybrid.generate(prompt, max_new_tokens=5, do_sample=False, assistant_model=drafter(0))
-    # ...and the error's advice holds: without the drafter the enabled target decodes as before.
-    assert hybrid.generate(prompt, max_new_tokens=3, do_sample=False).shape == (1, 8)
-
-
-@pytest.mark.skipif(not HAS_ROLLBACK, reason="no state rollback in this tree: hybrid targets are refused")
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)
 def test_hybrid_targets_match_plain_greedy(hybrid, block_size):
     for length in (1, 9):
@@ -284,7 +270,6 @@ def test_hybrid_targets_match_plain_greedy(hybrid, block_size):
         assert 2 in oracle.last_stats.acceptance_lengths and block_size in oracle.last_stats.acceptance_lengths
 
 
-@pytest.mark.skipif(not HAS_ROLLBACK, reason="no state rollback in this tree: hybrid targets are refused")
 def test_hybrid_eos_inside_a_drafted_block(hybrid):
     prompt = _prompt(11, 5)
     reference = hybrid.generate(prompt, max_new_tokens=30, do_sample=False)
