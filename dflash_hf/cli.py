@@ -1,9 +1,10 @@
-"""`dflash-hf` command line: `train`, `bench` and `check` (each subcommand is a `(help, add_arguments,
-run)` entry in `COMMANDS`).
+"""`dflash-hf` command line: `demo`, `train`, `bench` and `check` (each subcommand is a `(help,
+add_arguments, run)` entry in `COMMANDS`).
 
     dflash-hf train --target smollm2 --output-dir runs/smollm2-dflash
     dflash-hf bench --target smollm2 --drafter runs/smollm2-dflash --prompts humaneval:20
     dflash-hf check Qwen/Qwen3-8B z-lab/Qwen3-8B-DFlash-b16
+    dflash-hf demo --drafter runs/smollm2-dflash
 """
 
 from __future__ import annotations
@@ -168,6 +169,57 @@ def run_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------------------------- demo
+DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+
+
+def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
+    _add_target(parser)
+    parser.add_argument("--drafter", default=None, help="DFlash drafter folder or Hub id (default: the shipped one)")
+    parser.add_argument("--prompt", default=DEMO_PROMPT)
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+
+
+def run_demo(args: argparse.Namespace) -> int:
+    """Streams a DFlash answer to a coding request, then times plain greedy generate on the same input."""
+    import time
+
+    import torch
+    from transformers import TextStreamer
+
+    from . import embedded
+    from .generation import enable
+
+    target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
+    drafter = embedded.load_drafter(args.drafter).to(target.device)
+    enable(target)
+    messages = [{"role": "user", "content": args.prompt}]
+    if tokenizer.chat_template:
+        inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
+                                               return_dict=True)
+    else:
+        inputs = tokenizer(args.prompt, return_tensors="pt")
+    inputs = {key: value.to(target.device) for key, value in inputs.items()}
+    settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
+    if tokenizer.eos_token_id is not None:
+        settings["pad_token_id"] = tokenizer.eos_token_id
+    with torch.inference_mode():
+        start = time.perf_counter()
+        dflash = target.generate(**inputs, **settings, assistant_model=drafter,
+                                 streamer=TextStreamer(tokenizer, skip_prompt=True))
+        dflash_seconds = time.perf_counter() - start
+        start = time.perf_counter()
+        plain = target.generate(**inputs, **settings)
+        plain_seconds = time.perf_counter() - start
+    stats = drafter.last_stats
+    new_tokens = dflash.shape[1] - inputs["input_ids"].shape[1]
+    print(f"\n{new_tokens} tokens, tau {stats.mean_acceptance_length:.2f} over {stats.num_target_forwards} target "
+          f"forwards; speedup over plain greedy generate {plain_seconds / dflash_seconds:.2f}x "
+          f"(DFlash {new_tokens / dflash_seconds:.1f} tok/s, plain {new_tokens / plain_seconds:.1f} tok/s); "
+          f"identical output: {torch.equal(dflash, plain)}")
+    return 0
+
+
 # ---------------------------------------------------------------------------------------------- check
 def add_check_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("target", help="Hub id or local folder of the target (only its config.json is read)")
@@ -201,6 +253,8 @@ COMMANDS = {
     "train": ("distill a DFlash drafter for a causal LM target", add_train_arguments, run_train),
     "bench": ("plain greedy generate vs DFlash on the same prompts", add_bench_arguments, run_bench),
     "check": ("whether a target and a DFlash drafter fit together (configs only)", add_check_arguments, run_check),
+    "demo": ("stream a DFlash answer to a coding request and compare with plain generate", add_demo_arguments,
+             run_demo),
 }
 
 

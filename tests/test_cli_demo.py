@@ -1,0 +1,30 @@
+"""`dflash-hf demo`: streams a DFlash answer through the chat template, then compares with plain generate."""
+
+import re
+
+from dflash_hf import embedded
+from dflash_hf.cli import main
+from tiny import drafter, qwen3_target, tokenizer
+
+
+def test_demo_streams_and_reports(tmp_path, capsys):
+    target, tok = qwen3_target(), tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    drafter(0, block_size=4).save_pretrained(tmp_path / "drafter")
+    code = main(["demo", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                 "--prompt", "write fib", "--max-new-tokens", "12"])
+    out = capsys.readouterr().out
+    assert code == 0
+    assert re.search(r"12 tokens, tau \d\.\d\d over \d+ target forwards; speedup over plain greedy generate", out)
+    assert out.rstrip().endswith("identical output: True")
+    assert out.split("\n")[0].strip()  # the streamed answer comes first
+
+
+def test_demo_without_a_shipped_drafter_says_how_to_get_one(monkeypatch, tmp_path, capsys):
+    target, tok = qwen3_target(), tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    monkeypatch.setattr(embedded, "DRAFTER_DIR", tmp_path / "nothing")
+    assert main(["demo", "--target", str(tmp_path / "target")]) == 2
+    assert "dflash-hf train" in capsys.readouterr().err
