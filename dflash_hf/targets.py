@@ -27,8 +27,9 @@ def apply_softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
 
 
 def is_stateful(target: PreTrainedModel) -> bool:
-    """Targets with recurrent (linear-attention) layers: their cache cannot be cropped back."""
-    return bool(getattr(target, "_is_stateful", False))
+    """Targets with recurrent (linear-attention) layers: their cache cannot be cropped back.
+    Read from the class: `enable` lifts transformers' refusal on the instance during DFlash calls."""
+    return bool(getattr(type(target), "_is_stateful", False))
 
 
 def compatibility_problems(target: PreTrainedModel, drafter: DFlashDraftModel) -> list[str]:

@@ -88,3 +88,17 @@ def test_cli_structure_and_humaneval_refused_for_training(capsys):
     assert args.verify_lengths == [1, 3] and args.func is cli.run_bench
     with pytest.raises(SystemExit, match="evaluation only"):
         cli.main(["train", "--target", "does-not-matter", "--output-dir", "o", "--prompts", "humaneval"])
+
+
+def test_bench_keeps_the_users_enable_settings():
+    import dflash_hf
+    from dflash_hf.bench import verify_length
+    from dflash_hf.generation.enable import dflash_settings
+
+    target = dflash_hf.enable(tiny.qwen3_target(), proposal="argmax", verify_length=2)
+    with verify_length(target, 5):
+        assert dflash_settings(target)["verify_length"] == 5
+    assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2}
+    bench.run_bench(target, tiny.drafter(0), [[1, 2, 3]], 4, baseline=False, progress=False,
+                    warmup=False)
+    assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2}

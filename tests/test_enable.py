@@ -68,3 +68,18 @@ def test_stats_reset_at_each_call():
     stats = model.last_stats.as_dict()
     assert stats["num_target_forwards"] == len(stats["acceptance_lengths"]) + 1
     assert stats["draft_seconds"] > 0 and stats["verify_seconds"] > 0
+
+
+def test_deepcopy_of_an_enabled_target_decodes_with_the_copy():
+    import copy
+
+    target = dflash_hf.enable(qwen3_target())
+    clone = copy.deepcopy(target)
+    with torch.no_grad():
+        for parameter in clone.parameters():
+            parameter.add_(torch.randn_like(parameter))
+    prompt = torch.tensor([[5, 6, 7]])
+    model = drafter(0)
+    expected = Qwen3ForCausalLM.generate(clone, prompt, max_new_tokens=6, do_sample=False)
+    assert torch.equal(clone.generate(prompt, max_new_tokens=6, do_sample=False, assistant_model=model), expected)
+    assert not torch.equal(target.generate(prompt, max_new_tokens=6, do_sample=False), expected)

@@ -126,3 +126,9 @@ def test_enable_rejects_non_generative_models():
         dflash_hf.enable(qwen3_target().model)
     with pytest.raises(TypeError, match="not the drafter"):
         dflash_hf.enable(drafter(0))
+
+
+def test_loading_errors_that_are_not_about_the_files_propagate_unchanged(tmp_path):
+    write_zlab_folder(tmp_path)
+    with pytest.raises(ImportError):  # not rephrased as "re-download the checkpoint"
+        DFlashDraftModel.from_pretrained(tmp_path, attn_implementation="flash_attention_2")

@@ -144,3 +144,38 @@ def test_chat_template_and_pipeline(pair):
     # a pipeline may hand over the (shared) tokenizer for the assistant too
     assert pipe("x = 1", max_new_tokens=8, do_sample=False, assistant_model=model,
                 assistant_tokenizer=tok) == text_expected
+
+
+def test_stop_string_inside_an_accepted_block_stops_like_plain_generate(pair):
+    target, _, tok = pair
+    inputs = tok("hello", return_tensors="pt")
+    reference = target.generate(**inputs, max_new_tokens=30, do_sample=False)
+    new = reference[0, 5:].tolist()
+    # a two-character stop string that first completes at new token 4..14: inside the first 16-block
+    index = next(i for i in range(4, 15) if tok.decode(new[i - 1 : i + 1]) not in tok.decode(new[:i]))
+    stop = tok.decode(new[index - 1 : index + 1])
+    expected = target.generate(**inputs, max_new_tokens=30, do_sample=False, stop_strings=stop, tokenizer=tok,
+                               return_dict_in_generate=True, output_scores=True)
+    oracle = drafter(0, cls=OracleDrafter, block_size=16).arm(reference, target.get_output_embeddings())
+    actual = target.generate(**inputs, max_new_tokens=30, do_sample=False, stop_strings=stop, tokenizer=tok,
+                             assistant_model=oracle, return_dict_in_generate=True, output_scores=True)
+    assert torch.equal(actual.sequences, expected.sequences)
+    assert len(actual.scores) == len(expected.scores)
+    assert max(oracle.last_stats.acceptance_lengths) == 16  # the stop string was inside an accepted block
+
+
+def test_stopping_criteria_inside_an_accepted_block(pair):
+    target, _, _ = pair
+
+    class StopAtLength(StoppingCriteria):
+        def __call__(self, input_ids, scores, **kwargs):
+            return torch.full((input_ids.shape[0],), input_ids.shape[1] >= 9, dtype=torch.bool)
+
+    prompt = torch.tensor([[1, 2, 3]])
+    reference = target.generate(prompt, max_new_tokens=30, do_sample=False)
+    criteria = StoppingCriteriaList([StopAtLength()])
+    expected = target.generate(prompt, max_new_tokens=30, do_sample=False, stopping_criteria=criteria)
+    oracle = drafter(0, cls=OracleDrafter, block_size=16).arm(reference, target.get_output_embeddings())
+    actual = target.generate(prompt, max_new_tokens=30, do_sample=False, stopping_criteria=criteria,
+                             assistant_model=oracle)
+    assert torch.equal(actual, expected) and actual.shape[1] == 9

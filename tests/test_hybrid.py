@@ -36,8 +36,8 @@ def state_checks(monkeypatch, target):
     checks = []
     original = candidate_generator.DFlashCandidateGenerator._sync_target_state
 
-    def checked(self, input_ids, cache, model_outputs):
-        outputs = original(self, input_ids, cache, model_outputs)
+    def checked(self, input_ids, cache, model_outputs, model_kwargs=None):
+        outputs = original(self, input_ids, cache, model_outputs, model_kwargs)
         if cache.get_seq_length() == 0:  # the call before the prefill
             return outputs
         fresh = DynamicCache(config=target.config)
@@ -138,3 +138,31 @@ def test_sampling_keeps_the_target_distribution():
     observed, accepted = sample_first_three(sampler, oracle, {"temperature": 1.0}, samples=1000)
     assert chi_square_pvalue(observed, expected) > ALPHA
     assert accepted > 100
+
+
+@pytest.mark.parametrize("block_size", (4, 16))
+def test_left_padded_prompt(target, block_size):
+    # random drafters: nearly every step rejects, so every step replays through the padded mask
+    prompt = torch.cat([torch.full((1, 4), 5), _prompt(8, 8)], dim=1)
+    mask = torch.tensor([[0] * 4 + [1] * 8])
+    expected = target.generate(prompt, attention_mask=mask, max_new_tokens=24, do_sample=False)
+    for seed in range(4):
+        random_drafter = drafter(seed, block_size=block_size)
+        actual = target.generate(prompt, attention_mask=mask, max_new_tokens=24, do_sample=False,
+                                 assistant_model=random_drafter)
+        assert torch.equal(actual, expected), seed
+        assert random_drafter.last_stats.replay_forwards > 0
+
+
+def test_returned_cache_covers_the_committed_tokens(target):
+    prompt = _prompt(3)
+    plain = target.generate(prompt, max_new_tokens=12, do_sample=False, return_dict_in_generate=True)
+    oracle = drafter(0, cls=OracleDrafter, block_size=4).arm(plain.sequences, target.get_output_embeddings(),
+                                                             wrong_every=1)
+    out = target.generate(prompt, max_new_tokens=12, do_sample=False, return_dict_in_generate=True,
+                          assistant_model=oracle)
+    assert torch.equal(out.sequences, plain.sequences)
+    assert out.cache.replay_from is None and out.cache.get_seq_length() == plain.cache.get_seq_length()
+    for ours, theirs in zip(out.cache.layers, plain.cache.layers):
+        if rollback.is_linear(ours):
+            torch.testing.assert_close(ours.recurrent_states[0], theirs.recurrent_states[0], atol=1e-5, rtol=1e-4)

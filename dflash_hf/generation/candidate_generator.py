@@ -95,7 +95,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         target_cache = model_kwargs.get("cache") if model_kwargs else None
         rollback = isinstance(target_cache, RollbackCache)
         if rollback:
-            model_outputs = self._sync_target_state(input_ids, target_cache, model_outputs)
+            model_outputs = self._sync_target_state(input_ids, target_cache, model_outputs, model_kwargs)
         num_drafts = min(self.max_drafts, self.max_length - input_ids.shape[1] - 1)
         if is_first_iteration or num_drafts <= 0:
             self._pending_drafts = 0 if self._pending_drafts is not None else None
@@ -114,12 +114,14 @@ class DFlashCandidateGenerator(CandidateGenerator):
             target_cache.snapshot()
         return torch.cat([input_ids, drafts], dim=-1), scores
 
-    def _sync_target_state(self, input_ids, cache: RollbackCache, model_outputs):
+    def _sync_target_state(self, input_ids, cache: RollbackCache, model_outputs, model_kwargs=None):
         """Hybrid targets: after a rejection the cache was rolled back to before the verification;
         replay the committed tokens so that every layer's state covers exactly `input_ids[:, :-1]`."""
         if cache.replay_from is None:
             return model_outputs
-        return replay(self.target, cache, input_ids, self.model_kwargs_overrides, self.stats)
+        model_kwargs = model_kwargs or {}
+        return replay(self.target, cache, input_ids, self.model_kwargs_overrides, self.stats,
+                      attention_mask=model_kwargs.get("attention_mask"), position_ids=model_kwargs.get("position_ids"))
 
     def _draft_block(self, input_ids, model_kwargs, model_outputs) -> torch.Tensor:
         """One drafter forward over [anchor, mask x (B-1)]; returns its (1, B, hidden) output."""

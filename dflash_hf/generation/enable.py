@@ -7,16 +7,21 @@ generation modes and every other model are untouched.
 """
 
 import functools
+import threading
 import types
 
-from transformers import PreTrainedModel
+import torch
+from transformers import GenerationMixin, PreTrainedModel
+from transformers.generation.stopping_criteria import StopStringCriteria
+from transformers.utils import ModelOutput
 
 from ..modeling_dflash import DFlashDraftModel
 from ..targets import check_compatible, is_stateful
 from .candidate_generator import PROPOSALS, DFlashCandidateGenerator
-from .rollback import RollbackCache, check_rollback_supported
+from .rollback import RollbackCache, check_rollback_supported, replay
 
 _ENABLED = "_dflash_enabled"
+_STATEFUL_LOCK = threading.Lock()
 
 
 def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int | None = None) -> PreTrainedModel:
@@ -44,47 +49,51 @@ def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int
     if target.__dict__.get(_ENABLED):
         target.__dict__[_ENABLED].update(proposal=proposal, verify_length=verify_length)
         return target
-    settings = {"proposal": proposal, "verify_length": verify_length}
-    original_generate = target.generate
-    original_get_candidate_generator = target._get_candidate_generator
-
-    @functools.wraps(original_generate)
-    def generate(*args, **kwargs):
-        drafter = kwargs.get("assistant_model")
-        if drafter is not None and not isinstance(drafter, DFlashDraftModel) and (
-            type(drafter).__name__ == "DFlashDraftModel"
-        ):
-            raise TypeError(
-                f"This DFlash drafter was loaded as remote code ({type(drafter).__module__}); load it with "
-                "`dflash_hf.DFlashDraftModel.from_pretrained(path)` to decode with dflash_hf."
-            )
-        if isinstance(drafter, DFlashDraftModel):
-            _check_call(target, drafter, args, kwargs)
-            # The drafter shares the target's tokenizer by construction; pipelines may still pass one.
-            kwargs.pop("assistant_tokenizer", None)
-            if is_stateful(target):
-                return _generate_stateful(target, original_generate, args, kwargs)
-        return original_generate(*args, **kwargs)
-
-    def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
-                                 assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
-        if isinstance(assistant_model, DFlashDraftModel):
-            return DFlashCandidateGenerator(self, assistant_model, generation_config, logits_processor, **settings)
-        return original_get_candidate_generator(
-            generation_config=generation_config,
-            input_ids=input_ids,
-            inputs_tensor=inputs_tensor,
-            logits_processor=logits_processor,
-            model_kwargs=model_kwargs,
-            assistant_model=assistant_model,
-            target_tokenizer=target_tokenizer,
-            assistant_tokenizer=assistant_tokenizer,
-        )
-
-    target.generate = generate
+    # Bound methods of module-level functions, so that copy.deepcopy(target) gets ones bound to the copy.
+    target.generate = types.MethodType(_generate, target)
     target._get_candidate_generator = types.MethodType(_get_candidate_generator, target)
-    target.__dict__[_ENABLED] = settings
+    target.__dict__[_ENABLED] = {"proposal": proposal, "verify_length": verify_length}
     return target
+
+
+@functools.wraps(GenerationMixin.generate)
+def _generate(self, *args, **kwargs):
+    drafter = kwargs.get("assistant_model")
+    if drafter is not None and not isinstance(drafter, DFlashDraftModel) and (
+        type(drafter).__name__ == "DFlashDraftModel"
+    ):
+        raise TypeError(
+            f"This DFlash drafter was loaded as remote code ({type(drafter).__module__}); load it with "
+            "`dflash_hf.DFlashDraftModel.from_pretrained(path)` to decode with dflash_hf."
+        )
+    if not isinstance(drafter, DFlashDraftModel):
+        return type(self).generate(self, *args, **kwargs)
+    _check_call(self, drafter, args, kwargs)
+    # The drafter shares the target's tokenizer by construction; pipelines may still pass one.
+    kwargs.pop("assistant_tokenizer", None)
+    if is_stateful(self):
+        output = _generate_stateful(self, args, kwargs)
+    else:
+        output = type(self).generate(self, *args, **kwargs)
+    return _stop_where_plain_generate_stops(output, args, kwargs)
+
+
+def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
+                             assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
+    if isinstance(assistant_model, DFlashDraftModel):
+        settings = self.__dict__[_ENABLED]
+        return DFlashCandidateGenerator(self, assistant_model, generation_config, logits_processor, **settings)
+    return type(self)._get_candidate_generator(
+        self,
+        generation_config=generation_config,
+        input_ids=input_ids,
+        inputs_tensor=inputs_tensor,
+        logits_processor=logits_processor,
+        model_kwargs=model_kwargs,
+        assistant_model=assistant_model,
+        target_tokenizer=target_tokenizer,
+        assistant_tokenizer=assistant_tokenizer,
+    )
 
 
 def is_enabled(target) -> bool:
@@ -98,12 +107,16 @@ def dflash_settings(target) -> dict:
     return dict(target.__dict__[_ENABLED])
 
 
-def _generate_stateful(target, original_generate, args, kwargs):
+_STATEFUL_CALLS = "_dflash_stateful_calls"
+
+
+def _generate_stateful(target, args, kwargs):
     """Hybrid targets run in transformers' assisted loop too, with a `RollbackCache`.
 
     transformers refuses stateful models there because their cache cannot be cropped; this one can
     (it snapshots before each verification and replays the committed tokens after a rejection), so
-    the refusal is lifted for this call on this instance only.
+    the refusal is lifted on this instance while DFlash calls run (counted, for nested or
+    concurrent calls).
     """
     if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
         raise ValueError(
@@ -113,11 +126,61 @@ def _generate_stateful(target, original_generate, args, kwargs):
     cache = RollbackCache(config=target.config)
     check_rollback_supported(cache.layers)
     kwargs["cache"] = cache
-    target.__dict__["_is_stateful"] = False
+    with _STATEFUL_LOCK:
+        target.__dict__[_STATEFUL_CALLS] = target.__dict__.get(_STATEFUL_CALLS, 0) + 1
+        target.__dict__["_is_stateful"] = False
     try:
-        return original_generate(*args, **kwargs)
+        output = type(target).generate(target, *args, **kwargs)
     finally:
-        del target.__dict__["_is_stateful"]
+        with _STATEFUL_LOCK:
+            target.__dict__[_STATEFUL_CALLS] -= 1
+            if target.__dict__[_STATEFUL_CALLS] == 0:
+                target.__dict__.pop("_is_stateful", None)
+                target.__dict__.pop(_STATEFUL_CALLS)
+    if cache.replay_from is not None and kwargs.get("return_dict_in_generate"):
+        # Generation ended right after a rejection: bring the returned cache to the committed tokens.
+        sequences = output.sequences
+        replay(target, cache, sequences, {}, attention_mask=_full_attention_mask(kwargs, sequences))
+    return output
+
+
+def _full_attention_mask(kwargs, sequences):
+    mask = kwargs.get("attention_mask")
+    if mask is None:
+        return None
+    return torch.cat([mask, mask.new_ones(mask.shape[0], sequences.shape[1] - mask.shape[1])], dim=-1)
+
+
+def _stop_where_plain_generate_stops(output, args, kwargs):
+    """transformers' assisted loop checks stopping criteria once per target forward, on the sequence
+    end, and trims only EOS and max length inside an accepted block; plain generate checks them
+    after every token. With `stop_strings` or `stopping_criteria`, cut the output where plain
+    generate would have stopped. (A streamer has already been sent the whole block.)"""
+    criteria = list(kwargs.get("stopping_criteria") or [])
+    if kwargs.get("stop_strings"):
+        if kwargs.get("tokenizer") is None:
+            return output  # transformers raised already
+        criteria.append(StopStringCriteria(kwargs["tokenizer"], kwargs["stop_strings"]))
+    if not criteria:
+        return output
+    sequences = output.sequences if isinstance(output, ModelOutput) else output
+    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
+    prompt_length = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 else 0
+    for end in range(prompt_length + 1, sequences.shape[1]):
+        if any(bool(criterion(sequences[:, :end], None).any()) for criterion in criteria):
+            return _truncate(output, end, sequences.shape[1] - prompt_length, end - prompt_length)
+    return output
+
+
+def _truncate(output, end: int, num_new: int, keep_new: int):
+    if not isinstance(output, ModelOutput):
+        return output[:, :end]
+    output.sequences = output.sequences[:, :end]
+    for name in ("scores", "logits", "attentions", "hidden_states"):
+        steps = getattr(output, name, None)
+        if isinstance(steps, tuple) and len(steps) == num_new:
+            setattr(output, name, steps[:keep_new])
+    return output
 
 
 def _check_call(target: PreTrainedModel, drafter: DFlashDraftModel, args: tuple, kwargs: dict) -> None:

@@ -91,13 +91,22 @@ def check_rollback_supported(cache_layers) -> None:
 
 
 @torch.no_grad()
-def replay(target, cache: RollbackCache, input_ids: torch.LongTensor, model_kwargs_overrides: dict, stats=None):
+def replay(target, cache: RollbackCache, input_ids: torch.LongTensor, model_kwargs_overrides: dict, stats=None,
+           attention_mask: torch.Tensor | None = None, position_ids: torch.LongTensor | None = None):
     """Runs the target over the committed tokens since the last snapshot (`input_ids[replay_from:-1]`,
-    the last token being the next anchor) and returns its outputs (hidden states included)."""
+    the last token being the next anchor) and returns its outputs (hidden states included).
+
+    `attention_mask` covers the whole sequence (padding included); `position_ids` too, when given."""
     start = time.perf_counter()
-    tokens = input_ids[:, cache.replay_from : input_ids.shape[1] - 1]
-    cache.replay_from = None
-    outputs = target(input_ids=tokens, cache=cache, use_cache=True, logits_to_keep=1, **model_kwargs_overrides)
+    end = input_ids.shape[1] - 1
+    begin, cache.replay_from = cache.replay_from, None
+    extra = {}
+    if attention_mask is not None:
+        extra["attention_mask"] = attention_mask[:, :end]
+    if position_ids is not None:
+        extra["position_ids"] = position_ids[..., begin:end]
+    outputs = target(input_ids=input_ids[:, begin:end], cache=cache, use_cache=True, logits_to_keep=1,
+                     **extra, **model_kwargs_overrides)
     if stats is not None:
         stats.replay_forwards += 1
         stats.replay_seconds += time.perf_counter() - start

@@ -104,6 +104,10 @@ def make_drafter_config(
         block_size=block_size,
         num_target_layers=num_target_layers,
         dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": layer_ids},
+        # the target's special tokens: pipelines compare them to decide whether the tokenizers match
+        bos_token_id=getattr(cfg, "bos_token_id", None),
+        eos_token_id=getattr(cfg, "eos_token_id", None),
+        pad_token_id=getattr(cfg, "pad_token_id", None),
     )
     kwargs.update(overrides)
     return DFlashConfig(**kwargs)
