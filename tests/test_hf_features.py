@@ -179,3 +179,16 @@ def test_stopping_criteria_inside_an_accepted_block(pair):
     actual = target.generate(prompt, max_new_tokens=30, do_sample=False, stopping_criteria=criteria,
                              assistant_model=oracle)
     assert torch.equal(actual, expected) and actual.shape[1] == 9
+
+
+def test_prompt_as_inputs_embeds(pair):
+    target, _, _ = pair
+    prompt = torch.tensor([[3, 4, 5, 6, 7]])
+    embeds = target.get_input_embeddings()(prompt).detach()
+    expected = target.generate(inputs_embeds=embeds, max_new_tokens=20, do_sample=False)
+    oracle = drafter(0, cls=OracleDrafter, block_size=8).arm(torch.cat([prompt, expected], dim=1),
+                                                             target.get_output_embeddings())
+    actual = target.generate(inputs_embeds=embeds, max_new_tokens=20, do_sample=False, assistant_model=oracle)
+    assert torch.equal(actual, expected)
+    assert oracle.context_lengths[0] == prompt.shape[1]  # the drafter saw the embedded prompt's context
+    assert oracle.last_stats.mean_acceptance_length > 2

@@ -166,3 +166,15 @@ def test_returned_cache_covers_the_committed_tokens(target):
     for ours, theirs in zip(out.cache.layers, plain.cache.layers):
         if rollback.is_linear(ours):
             torch.testing.assert_close(ours.recurrent_states[0], theirs.recurrent_states[0], atol=1e-5, rtol=1e-4)
+
+
+def test_prompt_as_inputs_embeds(target):
+    prompt = _prompt(2, 5)
+    embeds = target.get_input_embeddings()(prompt).detach()
+    expected = target.generate(inputs_embeds=embeds, max_new_tokens=16, do_sample=False)
+    for seed in range(3):
+        random_drafter = drafter(seed, block_size=4)
+        actual = target.generate(inputs_embeds=embeds, max_new_tokens=16, do_sample=False,
+                                 assistant_model=random_drafter)
+        assert torch.equal(actual, expected), seed
+        assert random_drafter.last_stats.replay_forwards > 0

@@ -126,7 +126,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
     def _draft_block(self, input_ids, model_kwargs, model_outputs) -> torch.Tensor:
         """One drafter forward over [anchor, mask x (B-1)]; returns its (1, B, hidden) output."""
         device = self.drafter.device
-        anchor_index = input_ids.shape[1] - 1
+        positions = model_kwargs.get("position_ids") if model_kwargs else None
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        # A prompt given as inputs_embeds is in the positions (and the target's cache) but not in input_ids.
+        anchor_index = positions.shape[-1] - 1
         cached = self.cache.get_seq_length()
         # The last target forward started at index `cached`; its first `anchor_index - cached`
         # positions are the newly committed tokens (the rest were rejected drafts).
@@ -135,9 +139,6 @@ class DFlashCandidateGenerator(CandidateGenerator):
         # per-layer hidden states may sit on different GPUs (device_map): gather them on the drafter's
         target_hidden = torch.cat([hidden_states[i + 1][:, :num_new].to(device) for i in self.layer_ids], dim=-1)
 
-        positions = model_kwargs.get("position_ids") if model_kwargs else None
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
         block_positions = positions[:, -1:] + torch.arange(self.block_size, device=positions.device)
         position_ids = torch.cat([positions[:, cached:anchor_index], block_positions], dim=-1)
 

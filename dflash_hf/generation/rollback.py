@@ -98,15 +98,19 @@ def replay(target, cache: RollbackCache, input_ids: torch.LongTensor, model_kwar
 
     `attention_mask` covers the whole sequence (padding included); `position_ids` too, when given."""
     start = time.perf_counter()
-    end = input_ids.shape[1] - 1
+    # sequence indices; a prompt given as inputs_embeds is in the cache and positions, not in input_ids
+    offset = position_ids.shape[-1] - input_ids.shape[1] if position_ids is not None else 0
+    end = offset + input_ids.shape[1] - 1
     begin, cache.replay_from = cache.replay_from, None
+    if begin < offset:
+        raise ValueError("DFlash cannot replay a prompt given as inputs_embeds on a hybrid target; pass input_ids.")
     extra = {}
     if attention_mask is not None:
         extra["attention_mask"] = attention_mask[:, :end]
     if position_ids is not None:
         extra["position_ids"] = position_ids[..., begin:end]
-    outputs = target(input_ids=input_ids[:, begin:end], cache=cache, use_cache=True, logits_to_keep=1,
-                     **extra, **model_kwargs_overrides)
+    outputs = target(input_ids=input_ids[:, begin - offset : end - offset], cache=cache, use_cache=True,
+                     logits_to_keep=1, **extra, **model_kwargs_overrides)
     if stats is not None:
         stats.replay_forwards += 1
         stats.replay_seconds += time.perf_counter() - start
