@@ -19,6 +19,14 @@ from .stats import DFlashStats
 PROPOSALS = ("argmax", "sample", "match")
 
 
+def check_settings(proposal: str, verify_length: int | None) -> None:
+    """The options `enable` stores and the generator takes, checked once for both."""
+    if proposal not in PROPOSALS:
+        raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
+    if verify_length is not None and (not isinstance(verify_length, int) or verify_length < 1):
+        raise ValueError(f"verify_length must be a positive int or None, got {verify_length!r}")
+
+
 class DFlashCandidateGenerator(CandidateGenerator):
     """Drafts `block_size - 1` tokens per step from the target's hidden states.
 
@@ -50,10 +58,7 @@ class DFlashCandidateGenerator(CandidateGenerator):
         proposal: str = "sample",
         verify_length: int | None = None,
     ):
-        if proposal not in PROPOSALS:
-            raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
-        if verify_length is not None and (not isinstance(verify_length, int) or verify_length < 1):
-            raise ValueError(f"verify_length must be a positive int or None, got {verify_length!r}")
+        check_settings(proposal, verify_length)
         self.target = target
         self.drafter = drafter
         self.embed_tokens = target.get_input_embeddings()

@@ -17,7 +17,7 @@ from transformers.utils import ModelOutput
 
 from ..modeling_dflash import DFlashDraftModel
 from ..targets import check_compatible, is_stateful
-from .candidate_generator import PROPOSALS, DFlashCandidateGenerator
+from .candidate_generator import DFlashCandidateGenerator, check_settings
 from .rollback import RollbackCache, check_rollback_supported, replay
 
 _ENABLED = "_dflash_enabled"
@@ -42,10 +42,7 @@ def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int
             f"dflash_hf.enable expects a transformers model that can generate (AutoModelForCausalLM), "
             f"got {type(target).__name__}."
         )
-    if proposal not in PROPOSALS:
-        raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
-    if verify_length is not None and (not isinstance(verify_length, int) or verify_length < 1):
-        raise ValueError(f"verify_length must be a positive int or None, got {verify_length!r}")
+    check_settings(proposal, verify_length)
     if target.__dict__.get(_ENABLED):
         target.__dict__[_ENABLED].update(proposal=proposal, verify_length=verify_length)
         return target
@@ -164,8 +161,9 @@ def _stop_where_plain_generate_stops(output, args, kwargs):
     if not criteria:
         return output
     sequences = output.sequences if isinstance(output, ModelOutput) else output
-    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs"))
-    prompt_length = inputs.shape[1] if isinstance(inputs, torch.Tensor) and inputs.ndim == 2 else 0
+    inputs = _prompt(args, kwargs)
+    # a prompt given as inputs_embeds is not part of the returned sequences
+    prompt_length = inputs.shape[1] if "inputs_embeds" not in kwargs and isinstance(inputs, torch.Tensor) else 0
     for end in range(prompt_length + 1, sequences.shape[1]):
         if any(bool(criterion(sequences[:, :end], None).any()) for criterion in criteria):
             return _truncate(output, end, sequences.shape[1] - prompt_length, end - prompt_length)
@@ -186,9 +184,14 @@ def _truncate(output, end: int, num_new: int, keep_new: int):
 def _check_call(target: PreTrainedModel, drafter: DFlashDraftModel, args: tuple, kwargs: dict) -> None:
     """Rejects, before any forward, what DFlash cannot do (yet) with this call."""
     check_compatible(target, drafter)
-    inputs = args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))
+    inputs = _prompt(args, kwargs)
     if inputs is not None and getattr(inputs, "ndim", 0) >= 2 and inputs.shape[0] > 1:
         raise ValueError(
             f"DFlash decodes one sequence at a time, got a batch of {inputs.shape[0]}; call generate once "
             "per prompt."
         )
+
+
+def _prompt(args: tuple, kwargs: dict):
+    """The prompt tensor of a `generate` call, however it was passed (ids or embeddings)."""
+    return args[0] if args else kwargs.get("input_ids", kwargs.get("inputs", kwargs.get("inputs_embeds")))

@@ -83,7 +83,7 @@ class RollbackCache(DynamicCache):
 
 def check_rollback_supported(cache_layers) -> None:
     for layer in cache_layers:
-        if is_linear(layer) and not type(layer).__name__ == "LinearAttentionLayer":
+        if is_linear(layer) and type(layer).__name__ != "LinearAttentionLayer":
             raise ValueError(
                 f"DFlash cannot roll back {type(layer).__name__} cache layers (linear attention and attention "
                 "in one layer) yet; call generate without assistant_model."
