@@ -132,12 +132,15 @@ def run_train(args: argparse.Namespace) -> int:
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     _add_target(parser)
     parser.add_argument("--drafter", default=None,
-                        help="Hub id or folder of a DFlash drafter (default: the shipped SmolLM2 drafter)")
-    parser.add_argument("--prompts", default="humaneval", help="'humaneval', 'humaneval:N' or a JSONL file")
+                        help="Hub id or folder of a DFlash drafter (default: the shipped SmolLM2 drafter); 'random': "
+                             "an untrained drafter shaped for the target (the worst case, to measure overhead)")
+    parser.add_argument("--prompts", default="humaneval",
+                        help="'humaneval', 'prose', NAME:N (first N) or a JSONL file")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--verify-lengths", type=int, nargs="*", default=[1, 3, 7],
                         help="also run verifying only K drafts per step (sweep)")
+    parser.add_argument("--no-adaptive", action="store_true", help="skip the run with the adaptive verify length")
     parser.add_argument("--no-chat-template", action="store_true")
     parser.add_argument("--output", default="dflash-bench.json", help="JSON results (a .png is written next to it)")
     parser.add_argument("--no-progress", action="store_true")
@@ -150,13 +153,17 @@ def run_bench(args: argparse.Namespace) -> int:
     from .bench import encode, format_summary, load_prompts, run_bench as bench, save_plot
 
     target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
-    drafter = embedded.load_drafter(args.drafter).to(dtype=getattr(torch, args.dtype), device=target.device)
+    if args.drafter == "random":
+        drafter = embedded.random_drafter(target, tokenizer)
+    else:
+        drafter = embedded.load_drafter(args.drafter)
+    drafter = drafter.to(dtype=getattr(torch, args.dtype), device=target.device)
     items = load_prompts(args.prompts, limit=args.num_prompts)
     chat = False if args.no_chat_template else None
     prompt_ids = [encode(tokenizer, item["prompt"], chat) for item in items]
     result = bench(
         target, drafter, prompt_ids, max_new_tokens=args.max_new_tokens, verify_lengths=args.verify_lengths,
-        prompt_names=[item["id"] for item in items], progress=not args.no_progress,
+        prompt_names=[item["id"] for item in items], progress=not args.no_progress, adaptive=not args.no_adaptive,
     )
     result.update(target=args.target, drafter=args.drafter or "shipped", prompt_set=args.prompts)
     output = Path(args.output)

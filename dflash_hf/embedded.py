@@ -161,6 +161,19 @@ def load_drafter(path: str | os.PathLike | None = None, **kwargs):
     return DFlashDraftModel.from_pretrained(folder, **kwargs).eval()
 
 
+def random_drafter(target, tokenizer, block_size: int = 8, num_draft_layers: int = 2, seed: int = 0):
+    """An untrained drafter shaped for `target`: its drafts are almost always rejected, which makes it
+    the worst case for measuring what DFlash costs when drafting does not pay."""
+    from .modeling_dflash import DFlashDraftModel
+    from .training.trainer import make_drafter_config
+
+    import torch
+
+    config = make_drafter_config(target, block_size, num_draft_layers, find_mask_token_id(tokenizer))
+    torch.manual_seed(seed)
+    return DFlashDraftModel(config).eval()
+
+
 def smollm2_model_card(drafter, config=None, metrics=None) -> str:
     """Model card of a SmolLM2-135M-Instruct drafter, with the numbers of its training run."""
     template = (Path(__file__).resolve().parent.parent / "model_cards" / "smollm2-135m-instruct-dflash.md")

@@ -17,7 +17,11 @@ def test_run_bench_random_drafter_is_lossless():
     target, drafter = tiny.llama_target(), tiny.drafter(block_size=4)
     prompts = [[1, 2, 3], [7, 8, 9, 10]]
     result = bench.run_bench(target, drafter, prompts, max_new_tokens=12, verify_lengths=[1], progress=False)
-    assert result["num_prompts"] == 2 and set(result["sweep"]) == {"3", "1"}
+    assert result["num_prompts"] == 2 and set(result["sweep"]) == {"3", "1", "adaptive"}
+    adaptive = result["sweep"]["adaptive"]
+    assert adaptive["all_match_greedy"] is True and 0 <= adaptive["mean_verify_length"] <= 3
+    assert 0 <= adaptive["plain_step_fraction"] <= 1
+    assert "verify adaptive" in bench.format_summary(result)
     overall = result["overall"]
     assert overall["all_match_greedy"] is True
     lengths = [a for row in result["prompts"] for a in row["dflash"]["3"]["acceptance_lengths"]]
@@ -98,7 +102,7 @@ def test_bench_keeps_the_users_enable_settings():
     target = dflash_hf.enable(tiny.qwen3_target(), proposal="argmax", verify_length=2)
     with verify_length(target, 5):
         assert dflash_settings(target)["verify_length"] == 5
-    assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2}
+    assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2, "cost_profile": None}
     bench.run_bench(target, tiny.drafter(0), [[1, 2, 3]], 4, baseline=False, progress=False,
                     warmup=False)
-    assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2}
+    assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2, "cost_profile": None}

@@ -76,7 +76,7 @@ PROMPT_LENGTHS = (1, 6, 11)
 
 @pytest.fixture(scope="module", params=sorted(MORE_TARGETS))
 def target(request):
-    return dflash_hf.enable(MORE_TARGETS[request.param](seed=0))
+    return dflash_hf.enable(MORE_TARGETS[request.param](seed=0), verify_length=None)
 
 
 def _prompt(seed, length):
@@ -201,7 +201,7 @@ def test_gemma4_conditional_generation_text_only(block_size):
                 layer_types=["sliding_attention", "full_attention"] * (TARGET_LAYERS // 2),
                 final_logit_softcapping=30.0, global_head_dim=16)
     torch.manual_seed(0)
-    model = dflash_hf.enable(Gemma4ForConditionalGeneration(
+    model = dflash_hf.enable(verify_length=None, target=Gemma4ForConditionalGeneration(
         Gemma4Config(text_config=text, vision_config=None, audio_config=None)).eval())
     prompt = _prompt(4, 7)
     expected = model.generate(prompt, max_new_tokens=24, do_sample=False)
@@ -251,7 +251,7 @@ HYBRIDS = {"qwen3-next": _qwen3_next_target, "qwen3.5": _qwen3_5_target, "qwen3.
 def hybrid(request):
     model = HYBRIDS[request.param]()
     assert model._is_stateful and model.config.vocab_size == VOCAB
-    return dflash_hf.enable(model)
+    return dflash_hf.enable(model, verify_length=None)
 
 
 @pytest.mark.parametrize("block_size", BLOCK_SIZES)

@@ -116,7 +116,7 @@ def sampling_target():
     target = qwen3_target(seed=3, vocab_size=E2E_VOCAB)
     with torch.no_grad():
         target.lm_head.weight.mul_(12.0)  # peakier distributions: drafts get accepted often
-    return dflash_hf.enable(target)
+    return dflash_hf.enable(target, verify_length=None)
 
 
 @torch.no_grad()
@@ -158,7 +158,7 @@ PROPOSAL_PARAMS = ("sample", "argmax", pytest.param("match", marks=pytest.mark.s
 @pytest.mark.parametrize("proposal", PROPOSAL_PARAMS)
 @pytest.mark.parametrize("setting", sorted(SETTINGS))
 def test_first_three_tokens_follow_plain_sampling(sampling_target, setting, proposal):
-    dflash_hf.enable(sampling_target, proposal=proposal)
+    dflash_hf.enable(sampling_target, proposal=proposal, verify_length=None)
     oracle = _oracle(sampling_target)
     expected = exact_first_three(sampling_target, _processors(**SETTINGS[setting]))
     observed, accepted = sample_first_three(sampling_target, oracle, SETTINGS[setting])
@@ -172,25 +172,25 @@ def test_end_to_end_check_rejects_always_accept(sampling_target, monkeypatch):
         return torch.cat([candidate_input_ids[:, -candidate_length:], bonus], -1), candidate_length
 
     monkeypatch.setattr(generation_utils, "_speculative_sampling", accept_everything)
-    dflash_hf.enable(sampling_target, proposal="argmax")
+    dflash_hf.enable(sampling_target, proposal="argmax", verify_length=None)
     expected = exact_first_three(sampling_target, _processors(temperature=1.0))
     observed, _ = sample_first_three(sampling_target, _oracle(sampling_target), {"temperature": 1.0}, samples=300)
     assert chi_square_pvalue(observed, expected) < ALPHA
 
 
 def test_same_seed_same_output(sampling_target):
-    dflash_hf.enable(sampling_target, proposal="sample")
+    dflash_hf.enable(sampling_target, proposal="sample", verify_length=None)
     oracle = _oracle(sampling_target, block_size=8)
     outputs = []
     for _ in range(2):
         torch.manual_seed(1234)
         outputs.append(sampling_target.generate(PROMPT, do_sample=True, max_new_tokens=20, assistant_model=oracle))
     assert torch.equal(*outputs)
-    dflash_hf.enable(sampling_target, proposal="argmax")
+    dflash_hf.enable(sampling_target, proposal="argmax", verify_length=None)
 
 
 def test_sampling_stats_report_acceptance_rate(sampling_target):
-    dflash_hf.enable(sampling_target, proposal="argmax")
+    dflash_hf.enable(sampling_target, proposal="argmax", verify_length=None)
     oracle = _oracle(sampling_target, block_size=8)
     torch.manual_seed(0)
     sampling_target.generate(PROMPT, do_sample=True, temperature=0.3, max_new_tokens=20, assistant_model=oracle)

@@ -8,6 +8,8 @@ from transformers.generation.candidate_generator import CandidateGenerator
 
 from ..modeling_dflash import DFlashDraftModel
 from ..targets import apply_softcap, logit_softcap
+from .policy import AdaptiveVerifyLength
+from .profile import CostProfile, load_profile
 from .rollback import RollbackCache, replay
 from .stats import DFlashStats
 
@@ -19,12 +21,21 @@ from .stats import DFlashStats
 PROPOSALS = ("argmax", "sample", "match")
 
 
-def check_settings(proposal: str, verify_length: int | None) -> None:
+ADAPTIVE = "adaptive"
+
+
+def check_settings(proposal: str, verify_length, cost_profile=None) -> None:
     """The options `enable` stores and the generator takes, checked once for both."""
     if proposal not in PROPOSALS:
         raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
-    if verify_length is not None and (not isinstance(verify_length, int) or verify_length < 1):
-        raise ValueError(f"verify_length must be a positive int or None, got {verify_length!r}")
+    fixed = isinstance(verify_length, int) and not isinstance(verify_length, bool) and verify_length >= 0
+    if not (verify_length is None or verify_length == ADAPTIVE or fixed):
+        raise ValueError(
+            f"verify_length must be {ADAPTIVE!r} (choose per step), None (every draft) or an int >= 0 (at most that "
+            f"many drafts; 0 never drafts), got {verify_length!r}"
+        )
+    if cost_profile is not None and not isinstance(cost_profile, CostProfile):
+        raise TypeError(f"cost_profile must be a dflash_hf CostProfile, got {type(cost_profile).__name__}")
 
 
 class DFlashCandidateGenerator(CandidateGenerator):
@@ -43,8 +54,13 @@ class DFlashCandidateGenerator(CandidateGenerator):
             loop applies it to the target's, so that q and p see the same processing.
         proposal (`str`, defaults to `"sample"`): see `PROPOSALS`; `benchmarks/sampling.py` measured
             it best (its acceptance is 1 - TV(p, q) where argmax's is p(argmax q), as low as "match").
-        verify_length (`int`, *optional*): hand the target at most this many drafts per step. The
-            drafter still drafts its whole trained block (shortening its input hurts acceptance).
+        verify_length (`str` or `int`, *optional*, defaults to `"adaptive"`): how many drafts the
+            target verifies per step. `"adaptive"`: chosen each step from running acceptance statistics
+            and the hardware profile (`policy.py`; 0 drafts, a plain step, when drafting does not pay);
+            `None`: all `block_size - 1`; an int: at most that many. The drafter still drafts its whole
+            trained block (shortening its input hurts acceptance).
+        cost_profile (`CostProfile`, *optional*): step costs for the adaptive policy; default: the cached
+            profile of this pair on this hardware (`profile.load_profile`, measured on first use).
     """
 
     requires_model_outputs = True
@@ -56,16 +72,22 @@ class DFlashCandidateGenerator(CandidateGenerator):
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None = None,
         proposal: str = "sample",
-        verify_length: int | None = None,
+        verify_length: int | str | None = ADAPTIVE,
+        cost_profile: CostProfile | None = None,
     ):
-        check_settings(proposal, verify_length)
+        check_settings(proposal, verify_length, cost_profile)
         self.target = target
         self.drafter = drafter
         self.embed_tokens = target.get_input_embeddings()
         self.lm_head = target.get_output_embeddings()
         self.softcap = logit_softcap(target)
         self.block_size = drafter.config.block_size
-        self.max_drafts = self.block_size - 1 if verify_length is None else min(verify_length, self.block_size - 1)
+        fixed = verify_length is None or verify_length == ADAPTIVE
+        self.max_drafts = self.block_size - 1 if fixed else min(verify_length, self.block_size - 1)
+        self.policy = None
+        if verify_length == ADAPTIVE and self.max_drafts > 0:
+            profile = cost_profile if cost_profile is not None else load_profile(target, drafter)
+            self.policy = AdaptiveVerifyLength(self.max_drafts, profile)
         self.layer_ids = drafter.config.target_layer_ids
         self.max_length = generation_config.max_length
         self.do_sample = bool(generation_config.do_sample)
@@ -77,6 +99,9 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self.mask_ids = torch.full((1, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long)
         self.cache = DynamicCache()
         self.padded = None  # whether the prompt has padding; decided once, at the first draft
+        # Context features of committed tokens the drafter has not ingested yet (plain steps skip it).
+        self.pending_context: list[torch.Tensor] = []
+        self.pending_length = 0
         self.stats = DFlashStats()
         drafter.last_stats = self.stats
         self._pending_drafts = None  # None until the prefill forward has been seen
@@ -101,16 +126,27 @@ class DFlashCandidateGenerator(CandidateGenerator):
         rollback = isinstance(target_cache, RollbackCache)
         if rollback:
             model_outputs = self._sync_target_state(input_ids, target_cache, model_outputs, model_kwargs)
-        num_drafts = min(self.max_drafts, self.max_length - input_ids.shape[1] - 1)
-        if is_first_iteration or num_drafts <= 0:
+        if is_first_iteration:
             self._pending_drafts = 0 if self._pending_drafts is not None else None
             return input_ids, None
 
-        block_hidden = self._draft_block(input_ids, model_kwargs, model_outputs)
+        positions = model_kwargs.get("position_ids") if model_kwargs else None
+        if positions is None:
+            positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        self._collect_context(positions, model_outputs)
+        limit = min(self.max_drafts, self.max_length - input_ids.shape[1] - 1)
+        if self.policy is not None and limit > 0:
+            limit = self.policy.choose(positions.shape[-1], limit)
+        num_drafts = max(0, limit)
+        self._pending_drafts = num_drafts
+        self.stats.verify_lengths.append(num_drafts)
+        if num_drafts == 0:  # a plain step: the target decodes one token, the drafter waits
+            return input_ids, None
+
+        block_hidden = self._draft_block(input_ids, positions, model_kwargs)
         logits = self.lm_head(block_hidden[:, 1 : 1 + num_drafts].to(self.lm_head.weight.dtype))
         drafts, scores = self._propose(input_ids, apply_softcap(logits, self.softcap).float())
 
-        self._pending_drafts = num_drafts
         self._clock = time.perf_counter()
         self.stats.draft_seconds += self._clock - start
         if self.do_sample and self.proposal == "match":
@@ -128,21 +164,33 @@ class DFlashCandidateGenerator(CandidateGenerator):
         return replay(self.target, cache, input_ids, self.model_kwargs_overrides, self.stats,
                       attention_mask=model_kwargs.get("attention_mask"), position_ids=model_kwargs.get("position_ids"))
 
-    def _draft_block(self, input_ids, model_kwargs, model_outputs) -> torch.Tensor:
-        """One drafter forward over [anchor, mask x (B-1)]; returns its (1, B, hidden) output."""
+    def _collect_context(self, positions, model_outputs) -> None:
+        """Keeps the context features of the tokens the last target forward committed.
+
+        That forward started at the first token the drafter has not seen; its first
+        `anchor_index - known` positions are the newly committed tokens (the rest were rejected drafts
+        or the new anchor)."""
+        anchor_index = positions.shape[-1] - 1
+        num_new = anchor_index - (self.cache.get_seq_length() + self.pending_length)
+        if num_new <= 0:
+            return
+        hidden_states = model_outputs.hidden_states
+        # per-layer hidden states may sit on different GPUs (device_map): gather them on the drafter's
         device = self.drafter.device
-        positions = model_kwargs.get("position_ids") if model_kwargs else None
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
+        self.pending_context.append(
+            torch.cat([hidden_states[i + 1][:, :num_new].to(device) for i in self.layer_ids], dim=-1)
+        )
+        self.pending_length += num_new
+
+    def _draft_block(self, input_ids, positions, model_kwargs) -> torch.Tensor:
+        """One drafter forward over [pending context ; anchor, mask x (B-1)]; returns the block's
+        (1, B, hidden) output."""
+        device = self.drafter.device
         # A prompt given as inputs_embeds is in the positions (and the target's cache) but not in input_ids.
         anchor_index = positions.shape[-1] - 1
         cached = self.cache.get_seq_length()
-        # The last target forward started at index `cached`; its first `anchor_index - cached`
-        # positions are the newly committed tokens (the rest were rejected drafts).
-        num_new = anchor_index - cached
-        hidden_states = model_outputs.hidden_states
-        # per-layer hidden states may sit on different GPUs (device_map): gather them on the drafter's
-        target_hidden = torch.cat([hidden_states[i + 1][:, :num_new].to(device) for i in self.layer_ids], dim=-1)
+        target_hidden = torch.cat(self.pending_context, dim=1)
+        self.pending_context, self.pending_length = [], 0
 
         block_positions = positions[:, -1:] + torch.arange(self.block_size, device=positions.device)
         position_ids = torch.cat([positions[:, cached:anchor_index], block_positions], dim=-1)
@@ -203,6 +251,8 @@ class DFlashCandidateGenerator(CandidateGenerator):
             self._pending_drafts = 0
             return
         accepted = int(num_matches)
+        if self.policy is not None:
+            self.policy.observe(self._pending_drafts, accepted)
         self.stats.acceptance_lengths.append(accepted + 1)
         self.stats.drafted_tokens += self._pending_drafts
         self.stats.accepted_tokens += accepted

@@ -6,6 +6,7 @@ transformers' own assisted-generation loop verifies the drafts. Its class, confi
 generation modes and every other model are untouched.
 """
 
+import contextvars
 import functools
 import threading
 import types
@@ -17,14 +18,24 @@ from transformers.utils import ModelOutput
 
 from ..modeling_dflash import DFlashDraftModel
 from ..targets import check_compatible, is_stateful
-from .candidate_generator import DFlashCandidateGenerator, check_settings
+from .candidate_generator import ADAPTIVE, DFlashCandidateGenerator, check_settings
+from .profile import CostProfile
 from .rollback import RollbackCache, check_rollback_supported, replay
 
 _ENABLED = "_dflash_enabled"
 _STATEFUL_LOCK = threading.Lock()
+# The per-call option: `generate(..., dflash_verify_length=n)` or `GenerationConfig(dflash_verify_length=n)`.
+CALL_OPTION = "dflash_verify_length"
+_UNSET = object()
+_CALL_VERIFY_LENGTH = contextvars.ContextVar(CALL_OPTION, default=_UNSET)
 
 
-def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int | None = None) -> PreTrainedModel:
+def enable(
+    target: PreTrainedModel,
+    proposal: str = "sample",
+    verify_length: int | str | None = ADAPTIVE,
+    cost_profile: CostProfile | None = None,
+) -> PreTrainedModel:
     """Lets `target.generate(..., assistant_model=drafter)` use a DFlash drafter. Returns `target`.
 
     Args:
@@ -32,8 +43,16 @@ def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int
         proposal (`str`, defaults to `"sample"`): how drafts are proposed under `do_sample=True`
             (`"argmax"`, `"sample"` or `"match"`, see `candidate_generator.PROPOSALS`); greedy
             decoding ignores it.
-        verify_length (`int`, *optional*): verify at most this many drafts per target forward
-            (default: all `block_size - 1`). Calling `enable` again changes both settings.
+        verify_length (`str` or `int`, *optional*, defaults to `"adaptive"`): drafts the target
+            verifies per step. `"adaptive"` picks it each step to maximise expected tokens per second
+            (from acceptance so far and a hardware profile measured once and cached; plain one-token
+            steps when drafting does not pay); `None` verifies all `block_size - 1`; an int at most that
+            many (0: never draft). One call can override it with `generate(..., dflash_verify_length=n)`
+            or a `GenerationConfig(dflash_verify_length=n)`.
+        cost_profile (`CostProfile`, *optional*): step costs for `"adaptive"` (default: measured on
+            first use and cached per model, device and dtype, see `dflash_hf.generation.profile`).
+
+    Calling `enable` again replaces the settings.
     """
     if isinstance(target, DFlashDraftModel):
         raise TypeError("dflash_hf.enable takes the target model, not the drafter.")
@@ -42,14 +61,15 @@ def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int
             f"dflash_hf.enable expects a transformers model that can generate (AutoModelForCausalLM), "
             f"got {type(target).__name__}."
         )
-    check_settings(proposal, verify_length)
+    check_settings(proposal, verify_length, cost_profile)
+    settings = {"proposal": proposal, "verify_length": verify_length, "cost_profile": cost_profile}
     if target.__dict__.get(_ENABLED):
-        target.__dict__[_ENABLED].update(proposal=proposal, verify_length=verify_length)
+        target.__dict__[_ENABLED].update(settings)
         return target
     # Bound methods of module-level functions, so that copy.deepcopy(target) gets ones bound to the copy.
     target.generate = types.MethodType(_generate, target)
     target._get_candidate_generator = types.MethodType(_get_candidate_generator, target)
-    target.__dict__[_ENABLED] = {"proposal": proposal, "verify_length": verify_length}
+    target.__dict__[_ENABLED] = settings
     return target
 
 
@@ -64,21 +84,35 @@ def _generate(self, *args, **kwargs):
             "`dflash_hf.DFlashDraftModel.from_pretrained(path)` to decode with dflash_hf."
         )
     if not isinstance(drafter, DFlashDraftModel):
+        if CALL_OPTION in kwargs:
+            raise ValueError(f"{CALL_OPTION} applies to DFlash calls only (assistant_model=<DFlashDraftModel>).")
         return type(self).generate(self, *args, **kwargs)
+    call_verify_length = kwargs.pop(CALL_OPTION, _UNSET)
+    if call_verify_length is not _UNSET:
+        check_settings(self.__dict__[_ENABLED]["proposal"], call_verify_length)
     _check_call(self, drafter, args, kwargs)
     # The drafter shares the target's tokenizer by construction; pipelines may still pass one.
     kwargs.pop("assistant_tokenizer", None)
-    if is_stateful(self):
-        output = _generate_stateful(self, args, kwargs)
-    else:
-        output = type(self).generate(self, *args, **kwargs)
+    token = _CALL_VERIFY_LENGTH.set(call_verify_length)
+    try:
+        if is_stateful(self):
+            output = _generate_stateful(self, args, kwargs)
+        else:
+            output = type(self).generate(self, *args, **kwargs)
+    finally:
+        _CALL_VERIFY_LENGTH.reset(token)
     return _stop_where_plain_generate_stops(output, args, kwargs)
 
 
 def _get_candidate_generator(self, generation_config, input_ids, inputs_tensor, logits_processor, model_kwargs,
                              assistant_model=None, target_tokenizer=None, assistant_tokenizer=None):
     if isinstance(assistant_model, DFlashDraftModel):
-        settings = self.__dict__[_ENABLED]
+        settings = dict(self.__dict__[_ENABLED])
+        override = _CALL_VERIFY_LENGTH.get()
+        if override is _UNSET:
+            override = getattr(generation_config, CALL_OPTION, _UNSET)
+        if override is not _UNSET:
+            settings["verify_length"] = override
         return DFlashCandidateGenerator(self, assistant_model, generation_config, logits_processor, **settings)
     return type(self)._get_candidate_generator(
         self,

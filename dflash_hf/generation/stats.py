@@ -13,6 +13,8 @@ class DFlashStats:
     """
 
     acceptance_lengths: list[int] = field(default_factory=list)
+    # drafts handed to the target at each of those forwards (0: a plain step, the drafter did not run)
+    verify_lengths: list[int] = field(default_factory=list)
     drafted_tokens: int = 0  # drafts handed to the target for verification
     accepted_tokens: int = 0  # of those, drafts the target committed
     draft_seconds: float = 0.0  # in the drafter (context ingestion + block forward + lm_head)
@@ -26,6 +28,11 @@ class DFlashStats:
         if not self.acceptance_lengths:
             return 0.0
         return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+    @property
+    def plain_steps(self) -> int:
+        """Verification forwards that verified no draft (the adaptive policy found drafting did not pay)."""
+        return sum(1 for n in self.verify_lengths if n == 0)
 
     @property
     def acceptance_rate(self) -> float:
@@ -44,6 +51,7 @@ class DFlashStats:
     def as_dict(self) -> dict:
         return {
             "acceptance_lengths": list(self.acceptance_lengths),
+            "verify_lengths": list(self.verify_lengths),
             "mean_acceptance_length": self.mean_acceptance_length,
             "acceptance_rate": self.acceptance_rate,
             "num_target_forwards": self.num_target_forwards,
@@ -53,4 +61,5 @@ class DFlashStats:
             "verify_seconds": self.verify_seconds,
             "replay_forwards": self.replay_forwards,
             "replay_seconds": self.replay_seconds,
+            "plain_steps": self.plain_steps,
         }

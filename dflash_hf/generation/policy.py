@@ -1,0 +1,125 @@
+"""How many drafts the target verifies each step: the length that maximises expected tokens per second.
+
+Verifying `n` drafts commits `E(n) = 1 + S_1 + ... + S_n` tokens on average, where `S_k` is the
+chance that the first `k` drafts are all accepted, and costs `drafter + target(n + 1)` seconds
+(`target(1)` alone for `n = 0`: a plain decoding step, no drafter). `S_k` is the product of per
+position acceptance rates, estimated from this call's recent steps (exponentially forgotten, so a
+switch from code to prose shows within a few steps) under a Beta prior; the costs come from the
+hardware profile (`profile.py`). When no `n > 0` pays, the policy decodes plainly and probes a
+drafted step again after 4, 8, 16, ... 64 plain steps (the statistics keep fading meanwhile, so a
+probe on text that became easy resumes drafting at once), so a useless drafter costs almost nothing
+and a drafter that becomes useful again is noticed.
+
+The policy only changes how many drafts are verified: the committed tokens are the target's own
+(greedy) or distributed exactly as the target's (rejection sampling) whatever it chooses.
+"""
+
+from __future__ import annotations
+
+from .profile import CostProfile
+
+
+class AdaptiveVerifyLength:
+    """Per-call state of the adaptive verify length (one instance per `generate` call).
+
+    Args:
+        max_drafts (`int`): drafts available per step (`block_size - 1`).
+        profile (`CostProfile`): measured step costs.
+        memory (`float`, defaults to 16): steps over which acceptance statistics are forgotten (by `1/e`).
+        prior (`tuple[float, float]`, defaults to `(0.75, 0.25)`): Beta pseudo-counts (accepted,
+            rejected) of every position before any observation: optimistic, so that the first step drafts
+            the whole block, and light, so that a few rejections are enough to stop drafting.
+        min_probe_interval, max_probe_interval (`int`): plain steps between two probes while drafting
+            does not pay (doubling from the min to the max after each failed probe).
+    """
+
+    def __init__(
+        self,
+        max_drafts: int,
+        profile: CostProfile,
+        memory: float = 16.0,
+        prior: tuple[float, float] = (0.75, 0.25),
+        min_probe_interval: int = 4,
+        max_probe_interval: int = 64,
+    ):
+        if max_drafts < 0:
+            raise ValueError(f"max_drafts must be >= 0, got {max_drafts}")
+        self.max_drafts = max_drafts
+        self.profile = profile
+        self.decay = 1.0 - 1.0 / memory
+        self.prior = prior
+        self.accepted = [0.0] * max_drafts  # forgotten counts, per draft position
+        self.seen = [0.0] * max_drafts
+        self.min_probe_interval, self.max_probe_interval = min_probe_interval, max_probe_interval
+        self.probe_interval = min_probe_interval
+        self.plain = False  # decoding plainly until a probe shows that drafting pays again
+        self.plain_steps = 0  # since the switch to plain steps or the last probe
+        self.probing = False
+        self.context_length = 0
+
+    def acceptance_rates(self) -> list[float]:
+        """P(draft k accepted | drafts 1..k-1 accepted), k = 1..max_drafts."""
+        a, b = self.prior
+        return [(acc + a) / (seen + a + b) for acc, seen in zip(self.accepted, self.seen)]
+
+    def expected_tokens(self) -> list[float]:
+        """E(n), n = 0..max_drafts: tokens committed by a step that verifies n drafts."""
+        expected, survival = [1.0], 1.0
+        for rate in self.acceptance_rates():
+            survival *= rate
+            expected.append(expected[-1] + survival)
+        return expected
+
+    def step_seconds(self, context_length: int) -> list[float]:
+        """Cost of a step verifying n drafts, n = 0..max_drafts."""
+        draft = self.profile.draft_time(context_length)
+        return [self.profile.target_time(1, context_length)] + [
+            draft + self.profile.target_time(n + 1, context_length) for n in range(1, self.max_drafts + 1)
+        ]
+
+    def best(self, context_length: int, limit: int | None = None, lowest: int = 0) -> int:
+        """The n in [lowest, limit] with the most expected tokens per second."""
+        limit = self.max_drafts if limit is None else min(limit, self.max_drafts)
+        if limit < lowest:
+            return limit
+        expected, seconds = self.expected_tokens(), self.step_seconds(context_length)
+        return max(range(lowest, limit + 1), key=lambda n: (expected[n] / seconds[n], -n))
+
+    def choose(self, context_length: int, limit: int | None = None) -> int:
+        """Drafts to verify in the next step (0: a plain decoding step, the drafter is not run)."""
+        if limit is not None and limit <= 0:
+            return 0
+        self.context_length = context_length
+        if not self.plain:
+            n = self.best(context_length, limit)
+            if n > 0:
+                return n
+            self.plain, self.plain_steps = True, 1
+            return 0
+        if self.plain_steps < self.probe_interval:
+            self.plain_steps += 1
+            return 0
+        # Probe: draft once with the best positive length; `observe` decides whether drafting resumes.
+        self.plain_steps, self.probing = 0, True
+        return self.best(context_length, limit, lowest=1)
+
+    def observe(self, num_drafts: int, num_accepted: int) -> None:
+        """A step verified `num_drafts` drafts and accepted the first `num_accepted` (called for
+        plain steps too: statistics fade with every step, drafted or not)."""
+        self.accepted = [x * self.decay for x in self.accepted]
+        self.seen = [x * self.decay for x in self.seen]
+        for k in range(min(num_accepted, num_drafts)):
+            self.accepted[k] += 1.0
+            self.seen[k] += 1.0
+        if num_accepted < num_drafts:
+            self.seen[num_accepted] += 1.0
+        if self.probing:
+            self.probing = False
+            # resume only on evidence: a probe that accepted drafts and made drafting pay again
+            if num_accepted > 0 and self.best(self.context_length) > 0:
+                self.plain, self.probe_interval = False, self.min_probe_interval
+            else:
+                self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
+
+
+__all__ = ["AdaptiveVerifyLength"]
