@@ -215,3 +215,21 @@ def test_trained_drafter_saves_loads_and_drafts_losslessly(tmp_path):
         assert torch.equal(plain, fast)
         taus.append(loaded.last_stats.mean_acceptance_length)
     assert sum(taus) / len(taus) > 1.3, taus
+
+
+def test_precomputed_features_are_cached_on_disk(tmp_path, monkeypatch):
+    target = tiny.qwen3_target()
+    examples = pattern_examples(n=6, length=20)
+    first = tdata.DFlashDataset(examples)
+    first.precompute_features(target, [1, 3], batch_size=4, cache_dir=tmp_path, progress=False)
+    assert len(list(tmp_path.glob("features-*.pt"))) == 1
+
+    def no_target_forward(*args, **kwargs):
+        raise AssertionError("features should have been read from the cache")
+
+    monkeypatch.setattr(tdata, "target_layer_features", no_target_forward)
+    again = tdata.DFlashDataset(examples)
+    again.precompute_features(target, [1, 3], batch_size=4, cache_dir=tmp_path, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(first.features, again.features))
+    with pytest.raises(AssertionError, match="read from the cache"):  # other layers: other features
+        tdata.DFlashDataset(examples).precompute_features(target, [0, 3], cache_dir=tmp_path, progress=False)

@@ -313,9 +313,35 @@ class DFlashDataset(torch.utils.data.Dataset):
     def num_response_tokens(self) -> int:
         return sum(sum(e["loss_mask"]) for e in self.examples)
 
-    def precompute_features(self, target, layer_ids, batch_size: int = 4, dtype=torch.bfloat16, progress=True):
-        """Target features of every example, computed once (stored in `dtype` to halve memory)."""
+    def features_fingerprint(self, target, layer_ids, dtype) -> str:
+        """Identifies these examples' features: the examples, the target (config and name), layers, dtype."""
+        digest = hashlib.sha256(
+            f"{target.config._name_or_path}|{target.config.to_json_string()}|{list(layer_ids)}|{dtype}|".encode()
+        )
+        for example in self.examples:
+            digest.update((",".join(map(str, example["input_ids"])) + ";").encode())
+        return digest.hexdigest()[:16]
+
+    def precompute_features(self, target, layer_ids, batch_size: int = 4, dtype=torch.bfloat16, progress=True,
+                            cache_dir: str | os.PathLike | None = None):
+        """Target features of every example, computed once (stored in `dtype` to halve memory).
+
+        With `cache_dir`, they are also saved there (`features-<fingerprint>.pt`) and read back by a
+        later run on the same examples, target and layers: a resumed CPU run does not pay the target
+        forward over the whole dataset again."""
         from tqdm.auto import tqdm
+
+        path = None
+        if cache_dir is not None:
+            path = Path(cache_dir) / f"features-{self.features_fingerprint(target, layer_ids, dtype)}.pt"
+            if path.is_file():
+                try:
+                    self.features = torch.load(path, weights_only=True)
+                    if len(self.features) == len(self.examples):
+                        return
+                except (OSError, RuntimeError, EOFError):  # cut by an interruption: compute again
+                    pass
+                self.features = None
 
         device = next(target.parameters()).device
         features: list[torch.Tensor | None] = [None] * len(self.examples)
@@ -329,6 +355,11 @@ class DFlashDataset(torch.utils.data.Dataset):
             for r, i in enumerate(rows):
                 features[i] = out[r, : int(batch["lengths"][r])].to("cpu", dtype).clone()
         self.features = features  # type: ignore[assignment]
+        if path is not None:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            temporary = path.with_suffix(".tmp")
+            torch.save(features, temporary)
+            temporary.replace(path)
 
 
 def collate(items: list[dict], pad_token_id: int = 0) -> dict[str, torch.Tensor]:

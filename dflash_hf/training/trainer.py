@@ -241,6 +241,7 @@ def train_drafter(
         dataset.precompute_features(
             target, layer_ids, batch_size=config.batch_size, dtype=getattr(torch, config.feature_dtype),
             progress=config.progress and accelerator.is_main_process,
+            cache_dir=output_dir / "data" if checkpoints else None,
         )
 
     sampler = EpochSampler(len(dataset), config.seed)
