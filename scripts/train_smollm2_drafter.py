@@ -29,7 +29,7 @@ RECIPE = [
     "--num-draft-layers", "2",
     "--target-layer-ids", "1", "8", "15", "22", "27",
     "--epochs", "3",
-    "--max-steps", "500",
+    "--max-steps", "300",
     "--batch-size", "4",
     "--max-anchors", "128",
     "--checkpoint-every", "50",
