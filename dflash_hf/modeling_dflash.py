@@ -43,6 +43,42 @@ def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> lis
     return [int(round(start + i * (end - start) / (num_draft_layers - 1))) for i in range(num_draft_layers)]
 
 
+def design_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
+    """`target_layer_ids` for a new drafter: the reference spread where its taps are distinct, else
+    distinct layers spread over [1, num_target_layers - 2] (the last layer is never a tap: its hidden
+    state is the final, normed one). On a shallow target that can be fewer taps than drafter layers."""
+    if num_target_layers <= 2:
+        return [0]
+    reference = build_target_layer_ids(num_target_layers, num_draft_layers)
+    if reference == sorted(set(reference)) and reference[0] >= 1 and reference[-1] < num_target_layers - 1:
+        return reference
+    candidates = list(range(1, num_target_layers - 1))
+    if len(candidates) <= num_draft_layers:
+        return candidates
+    step = (len(candidates) - 1) / (num_draft_layers - 1)
+    return sorted({candidates[int(round(i * step))] for i in range(num_draft_layers)})
+
+
+# Special tokens that a tokenizer may have and its model never produces, tried in order for the mask.
+MASK_TOKEN_CANDIDATES = ("<empty_output>", "<mask>", "<|mask|>", "<unk>", "<|fim_pad|>", "<pad>")
+
+
+def find_mask_token_id(tokenizer, vocab_size: int | None = None) -> int:
+    """An existing token id to use as the drafter's mask (the vocabulary is never resized): an unused
+    special token when the tokenizer has one (SmolLM2: `<empty_output>`), else its pad/unk token, else the
+    last id."""
+    vocab = tokenizer.get_vocab()
+    limit = vocab_size if vocab_size is not None else len(tokenizer)
+    for token in MASK_TOKEN_CANDIDATES:
+        index = vocab.get(token)
+        if index is not None and index < limit:
+            return index
+    for index in (tokenizer.pad_token_id, tokenizer.unk_token_id):
+        if index is not None and index < limit:
+            return index
+    return limit - 1
+
+
 @strict
 class DFlashConfig(Qwen3Config):
     r"""
@@ -80,6 +116,72 @@ class DFlashConfig(Qwen3Config):
             self.dflash_config["target_layer_ids"] = build_target_layer_ids(
                 self.num_target_layers, self.num_hidden_layers
             )
+
+    @classmethod
+    def from_target(
+        cls,
+        target,
+        block_size: int = 16,
+        num_draft_layers: int = 5,
+        mask_token_id: int | None = None,
+        tokenizer=None,
+        target_layer_ids: list[int] | None = None,
+        **overrides,
+    ) -> "DFlashConfig":
+        """A config for a new drafter of `target` (a model or its config): the target's layer shape
+        (hidden, heads, MLP, RoPE, vocabulary, special tokens) with `num_draft_layers` layers.
+
+        Args:
+            mask_token_id (`int`, *optional*): an existing id of the target's vocabulary; found in
+                `tokenizer` by `find_mask_token_id` when not given.
+            target_layer_ids (`list[int]`, *optional*): default `design_target_layer_ids` (distinct taps).
+            overrides: any other config field (e.g. `layer_types`, `sliding_window`).
+        """
+        config = getattr(target, "config", target)
+        cfg = config.get_text_config() if hasattr(config, "get_text_config") else config
+        if mask_token_id is None:
+            if tokenizer is None:
+                raise ValueError("Pass mask_token_id (an existing id of the target's vocabulary) or the tokenizer to find one.")
+            mask_token_id = find_mask_token_id(tokenizer, cfg.vocab_size)
+        if not isinstance(mask_token_id, int) or not 0 <= mask_token_id < cfg.vocab_size:
+            raise ValueError(f"mask_token_id {mask_token_id!r} is outside the target's vocabulary (0..{cfg.vocab_size - 1}).")
+        num_target_layers = cfg.num_hidden_layers
+        if target_layer_ids:
+            layer_ids = [int(i) for i in target_layer_ids]
+            if len(set(layer_ids)) != len(layer_ids) or not all(0 <= i < num_target_layers for i in layer_ids):
+                raise ValueError(
+                    f"target_layer_ids {layer_ids} must be distinct layers of the target (0..{num_target_layers - 1})."
+                )
+        else:
+            layer_ids = design_target_layer_ids(num_target_layers, num_draft_layers)
+        heads = cfg.num_attention_heads
+        rope = getattr(cfg, "rope_parameters", None)
+        if not (isinstance(rope, dict) and "rope_type" in rope):
+            rope = {"rope_type": "default", "rope_theta": getattr(cfg, "rope_theta", None) or 10000.0}
+        act = getattr(cfg, "hidden_act", "silu")
+        kwargs = dict(
+            vocab_size=cfg.vocab_size,
+            hidden_size=cfg.hidden_size,
+            intermediate_size=cfg.intermediate_size,
+            num_hidden_layers=num_draft_layers,
+            num_attention_heads=heads,
+            num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
+            head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
+            rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
+            max_position_embeddings=cfg.max_position_embeddings,
+            rope_parameters=dict(rope),
+            hidden_act=act if act in ("silu", "gelu") else "silu",
+            tie_word_embeddings=False,
+            block_size=block_size,
+            num_target_layers=num_target_layers,
+            dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": layer_ids},
+            # the target's special tokens: pipelines compare them to decide whether the tokenizers match
+            bos_token_id=getattr(cfg, "bos_token_id", None),
+            eos_token_id=getattr(cfg, "eos_token_id", None),
+            pad_token_id=getattr(cfg, "pad_token_id", None),
+        )
+        kwargs.update(overrides)
+        return cls(**kwargs)
 
     @property
     def mask_token_id(self) -> int | None:
@@ -358,4 +460,11 @@ def _to_additive(allowed: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return torch.zeros(allowed.shape, dtype=dtype, device=allowed.device).masked_fill(~allowed, torch.finfo(dtype).min)
 
 
-__all__ = ["DFlashConfig", "DFlashDraftModel", "DFlashPreTrainedModel", "build_target_layer_ids"]
+__all__ = [
+    "DFlashConfig",
+    "DFlashDraftModel",
+    "DFlashPreTrainedModel",
+    "build_target_layer_ids",
+    "design_target_layer_ids",
+    "find_mask_token_id",
+]

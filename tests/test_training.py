@@ -10,7 +10,8 @@ import tiny
 from dflash_hf import DFlashDraftModel
 from dflash_hf.training import data as tdata
 from dflash_hf.training import objective
-from dflash_hf.training.trainer import TrainConfig, latest_checkpoint, make_drafter_config, train_drafter
+from dflash_hf.modeling_dflash import DFlashConfig
+from dflash_hf.training.trainer import TrainConfig, latest_checkpoint, train_drafter
 
 
 def pattern_examples(n=24, length=40, prompt=6, seed=0):
@@ -187,11 +188,17 @@ def test_docstring_prompts_offline():
 
 def test_drafter_config_from_target():
     target = tiny.llama_target()
-    config = make_drafter_config(target, block_size=8, num_draft_layers=2, mask_token_id=tiny.MASK_ID)
+    config = DFlashConfig.from_target(target, block_size=8, num_draft_layers=2, mask_token_id=tiny.MASK_ID)
     assert config.hidden_size == tiny.HIDDEN and config.num_target_layers == tiny.TARGET_LAYERS
-    assert config.target_layer_ids == [1, 1] or len(config.target_layer_ids) == 2
+    # a new drafter taps distinct layers, never the last one (the reference derivation gives [1, 1] here)
+    ids = config.target_layer_ids
+    assert len(set(ids)) == len(ids) == 2 and max(ids) < tiny.TARGET_LAYERS - 1
     with pytest.raises(ValueError, match="vocabulary"):
-        make_drafter_config(target, mask_token_id=10_000)
+        DFlashConfig.from_target(target, mask_token_id=10_000)
+    with pytest.raises(ValueError, match="distinct"):
+        DFlashConfig.from_target(target, mask_token_id=tiny.MASK_ID, target_layer_ids=[1, 1])
+    with pytest.raises(ValueError, match="tokenizer"):
+        DFlashConfig.from_target(target)
 
 
 def test_trained_drafter_saves_loads_and_drafts_losslessly(tmp_path):
@@ -200,7 +207,7 @@ def test_trained_drafter_saves_loads_and_drafts_losslessly(tmp_path):
     prompts = [[int(x) for x in torch.randint(0, 60, (4,), generator=torch.Generator().manual_seed(i))] for i in range(16)]
     examples = tdata.generate_responses(target, prompts, max_new_tokens=24, batch_size=8, stop_ids=[], progress=False)
     cfg = small_config(tmp_path, epochs=20, num_draft_layers=2, target_layer_ids=[1, 2], max_anchors=32)
-    untrained = DFlashDraftModel(make_drafter_config(target, 4, 2, tiny.MASK_ID, [1, 2]))
+    untrained = DFlashDraftModel(DFlashConfig.from_target(target, 4, 2, tiny.MASK_ID, target_layer_ids=[1, 2]))
     _, result = train_drafter(target, examples, cfg, drafter=untrained)
     out = tmp_path / "out"
     assert (out / "config.json").is_file() and (out / "README.md").is_file()

