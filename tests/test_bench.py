@@ -96,7 +96,7 @@ def test_cli_structure_and_humaneval_refused_for_training(capsys):
 
 def test_bench_keeps_the_users_enable_settings():
     import dflash_hf
-    from dflash_hf.bench import verify_length
+    from dflash_hf.evaluation import verify_length
     from dflash_hf.generation.enable import dflash_settings
 
     target = dflash_hf.enable(tiny.qwen3_target(), proposal="argmax", verify_length=2)

@@ -107,6 +107,11 @@ class DFlashCandidateGenerator(CandidateGenerator):
         self._pending_drafts = None  # None until the prefill forward has been seen
         self._clock = time.perf_counter()
 
+    @property
+    def num_drafting_tokens(self) -> int:
+        """Drafts per step at most; transformers keeps that many recurrent states for rollbacks."""
+        return self.block_size - 1
+
     def get_candidates(
         self,
         input_ids: torch.LongTensor,
