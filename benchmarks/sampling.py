@@ -15,7 +15,6 @@ trained DFlash drafter predicts, since it never sees the tokens sampled inside t
 """
 
 import argparse
-import importlib
 import json
 import sys
 from pathlib import Path
@@ -25,7 +24,7 @@ import torch
 import dflash_hf
 from dflash_hf.generation.candidate_generator import DFlashCandidateGenerator
 
-enable_module = importlib.import_module("dflash_hf.generation.enable")  # the module, not the function
+from dflash_hf.generation import decoding
 
 PROPOSALS = ("argmax", "sample", "match")
 
@@ -34,12 +33,13 @@ class GreedyPathOracle(DFlashCandidateGenerator):
     """Drafts from the target itself: slot k gets the target's logits after the greedy path."""
 
     logit_scale = 1.0
+    target = None  # the model being decoded (set by the benchmark)
 
-    def _draft_block(self, input_ids, model_kwargs, model_outputs):
+    def _draft_block(self, input_ids, model_kwargs):
         out = self.target.generate(input_ids, do_sample=False, max_new_tokens=self.block_size - 1,
                                    output_logits=True, return_dict_in_generate=True)
         logits = torch.stack(out.logits, dim=1) * self.logit_scale  # (1, B-1, V)
-        weight = self.lm_head.weight.detach().float()  # square here (vocab == hidden): exact inverse
+        weight = self.main_model_output_embeddings.weight.detach().float()  # square here (vocab == hidden)
         hidden = logits @ torch.linalg.pinv(weight).T
         return torch.cat([hidden[:, :1], hidden], dim=1)  # slot 0 (the anchor) is never read
 
@@ -106,17 +106,17 @@ def main(argv=None):
         prompts = [torch.randint(0, 60, (1, 8), generator=generator) for _ in range(args.prompts)]
     seeds = range(args.seeds)
     for name, target, drafter, scale in pairs:
-        GreedyPathOracle.logit_scale = scale
+        GreedyPathOracle.logit_scale, GreedyPathOracle.target = scale, target
         for temperature in args.temperatures:
             if name == "real":
                 result = measure(target, drafter, prompts, temperature, args.max_new_tokens, seeds)
             else:
                 # the synthetic oracle replaces the drafter's forward inside the candidate generator
-                original, enable_module.DFlashCandidateGenerator = enable_module.DFlashCandidateGenerator, GreedyPathOracle
+                original, decoding.DFlashCandidateGenerator = decoding.DFlashCandidateGenerator, GreedyPathOracle
                 try:
                     result = measure(target, drafter, prompts, temperature, args.max_new_tokens, seeds)
                 finally:
-                    enable_module.DFlashCandidateGenerator = original
+                    decoding.DFlashCandidateGenerator = original
             rows.append({"pair": name, "temperature": temperature, **{p: result[p] for p in PROPOSALS}})
 
     print(f"{'pair':24} {'T':>4} " + " ".join(f"{p + ' tau':>11} {p + ' acc':>11}" for p in PROPOSALS))

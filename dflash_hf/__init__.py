@@ -2,13 +2,21 @@
 
     import dflash_hf
     drafter = dflash_hf.DFlashDraftModel.from_pretrained("z-lab/Qwen3-8B-DFlash-b16")
-    dflash_hf.enable(target)
+    dflash_hf.enable(target)                                  # or: dflash_hf.generate(target, **inputs, ...)
     target.generate(**inputs, assistant_model=drafter)
 """
 
 from transformers import AutoConfig, AutoModel
 
-from .generation import DFlashCandidateGenerator, DFlashStats, enable, is_enabled
+from .generation import (
+    DFlashCandidateGenerator,
+    DFlashGenerateOutput,
+    DFlashStats,
+    dflash_decode,
+    enable,
+    generate,
+    is_enabled,
+)
 from .modeling_dflash import DFlashConfig, DFlashDraftModel
 from .targets import check_compatible, compatibility_problems
 
@@ -25,9 +33,12 @@ __all__ = [
     "DFlashCandidateGenerator",
     "DFlashConfig",
     "DFlashDraftModel",
+    "DFlashGenerateOutput",
     "DFlashStats",
     "check_compatible",
     "compatibility_problems",
+    "dflash_decode",
     "enable",
+    "generate",
     "is_enabled",
 ]

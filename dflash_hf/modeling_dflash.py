@@ -111,6 +111,7 @@ class DFlashConfig(Qwen3Config):
             self.sliding_window = sliding_window
         if not isinstance(self.block_size, int) or self.block_size < 2:
             raise ValueError(f"`block_size` must be an int >= 2 (the anchor plus at least one draft), got {self.block_size}.")
+        _check_dflash_config(self.dflash_config)
         self.dflash_config = dict(self.dflash_config or {})
         if "target_layer_ids" not in self.dflash_config and self.num_target_layers is not None:
             self.dflash_config["target_layer_ids"] = build_target_layer_ids(
@@ -207,6 +208,7 @@ class DFlashConfig(Qwen3Config):
                 f"{missing}). A DFlash checkpoint's config.json has `block_size` and `dflash_config: "
                 "{mask_token_id, target_layer_ids}`; load targets with AutoModelForCausalLM instead."
             )
+        _check_dflash_config(config_dict["dflash_config"])
         config_dict = {key: value for key, value in config_dict.items() if key != "model_type"}
         return super().from_dict(config_dict, **kwargs)
 
@@ -259,6 +261,10 @@ class DFlashAttention(nn.Module):
         key, _ = apply_rotary_pos_emb(key, key, cos, sin)
         if cache is not None:
             key, value = cache.update(key, value, self.layer_idx)
+        if attention_mask is not None and attention_mask.shape[-1] > key.shape[-2]:
+            # A sliding-window cache layer (transformers' DFlashCache built from this config) returns only
+            # its most recent keys; the ones it dropped are the oldest, outside the window anyway.
+            attention_mask = attention_mask[..., -key.shape[-2] :]
 
         attention_interface: Callable = ALL_ATTENTION_FUNCTIONS.get_interface(
             self.config._attn_implementation, eager_attention_forward
@@ -376,9 +382,9 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     def generate(self, *args, **kwargs):
         raise ValueError(
-            "A DFlash drafter does not generate on its own, and this target was not enabled for DFlash. "
-            "Call `dflash_hf.enable(target)` once (pip install dflash-hf), then "
-            "`target.generate(..., assistant_model=drafter)`."
+            "A DFlash drafter does not generate on its own: pass it to the target, "
+            "`target.generate(..., assistant_model=drafter, speculation_type=\"dflash\")` with stock transformers, "
+            "or `dflash_hf.enable(target)` once, then `target.generate(..., assistant_model=drafter)`."
         )
 
     def _attention_masks(self, attention_mask, q_len, kv_len, device, dtype) -> dict[str, torch.Tensor | None]:
@@ -410,34 +416,37 @@ class DFlashDraftModel(DFlashPreTrainedModel):
 
     def forward(
         self,
-        block_embeds: torch.Tensor,
-        target_hidden: torch.Tensor,
+        noise_embeds: torch.Tensor,
+        context_hidden_states: torch.Tensor,
         position_ids: torch.LongTensor,
-        cache: Cache | None = None,
         attention_mask: torch.Tensor | None = None,
+        cache: Cache | None = None,
         **kwargs,
     ) -> BaseModelOutputWithPast:
         r"""
+        Called the way transformers' `DFlashTokenCandidateGenerator` calls a drafter (keyword names
+        included), so stock `generate(..., speculation_type="dflash")` runs this model too.
+
         Args:
-            block_embeds (`torch.Tensor` of shape `(batch, block_size, hidden)`):
-                The target's input embeddings of `[anchor, mask, ..., mask]`.
-            target_hidden (`torch.Tensor` of shape `(batch, ctx_len, len(target_layer_ids) * hidden)`):
+            noise_embeds (`torch.Tensor` of shape `(batch, block_size, hidden)`):
+                The target's input embeddings of the block `[anchor, mask, ..., mask]`.
+            context_hidden_states (`torch.Tensor` of shape `(batch, ctx_len, len(target_layer_ids) * hidden)`):
                 The target's hidden states after `target_layer_ids` (`hidden_states[i + 1]`), concatenated,
                 for the committed tokens not yet in `cache` (`ctx_len` may be 0).
             position_ids (`torch.LongTensor` of shape `(batch, ctx_len + block_size)`):
                 Absolute positions of those context tokens followed by the block's.
+            attention_mask (`torch.Tensor` of shape `(batch, cached_len + ctx_len + block_size)`, *optional*):
+                1 for real tokens, 0 for padding, over every key the block attends to.
             cache (`Cache`, *optional*):
                 The drafter's cache of committed context. The block's keys/values are appended too;
                 crop them off (`crop(-block_size)`) before the next step.
-            attention_mask (`torch.Tensor` of shape `(batch, cached_len + ctx_len + block_size)`, *optional*):
-                1 for real tokens, 0 for padding, over every key the block attends to.
         Returns:
             [`BaseModelOutputWithPast`] whose `last_hidden_state` (`(batch, block_size, hidden)`) goes
             through the target's lm_head; slot k predicts the token k positions after the anchor.
         """
-        q_len = block_embeds.shape[1]
-        context = self.hidden_norm(self.fc(target_hidden.to(self.fc.weight.dtype)))
-        hidden_states = block_embeds.to(context.dtype)
+        q_len = noise_embeds.shape[1]
+        context = self.hidden_norm(self.fc(context_hidden_states.to(self.fc.weight.dtype)))
+        hidden_states = noise_embeds.to(context.dtype)
         cached_len = cache.get_seq_length() if cache is not None else 0
         kv_len = cached_len + context.shape[1] + q_len
         masks = self._attention_masks(attention_mask, q_len, kv_len, hidden_states.device, hidden_states.dtype)
@@ -447,6 +456,23 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 hidden_states, context, position_embeddings, masks[layer.attention_type], cache, **kwargs
             )
         return BaseModelOutputWithPast(last_hidden_state=self.norm(hidden_states), cache=cache)
+
+
+def _check_dflash_config(dflash_config) -> None:
+    """The z-lab `dflash_config` entry, checked before anything reads it."""
+    if dflash_config is None:
+        return
+    expected = '`dflash_config: {"mask_token_id": int, "target_layer_ids": [int, ...]}`'
+    if not isinstance(dflash_config, dict):
+        raise ValueError(f"A DFlash config needs {expected}, got {type(dflash_config).__name__}: {dflash_config!r}.")
+    mask = dflash_config.get("mask_token_id")
+    if mask is not None and (isinstance(mask, bool) or not isinstance(mask, int)):
+        raise ValueError(f"dflash_config.mask_token_id must be an int token id, got {mask!r}; expected {expected}.")
+    ids = dflash_config.get("target_layer_ids")
+    if ids is not None and (
+        not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
+    ):
+        raise ValueError(f"dflash_config.target_layer_ids must be a list of ints, got {ids!r}; expected {expected}.")
 
 
 def _is_weights_file_error(error: Exception) -> bool:

@@ -26,16 +26,19 @@ def apply_softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
     return torch.tanh(logits / softcap) * softcap
 
 
-def is_stateful(target: PreTrainedModel) -> bool:
-    """Targets with recurrent (linear-attention) layers: their cache cannot be cropped back.
-    Read from the class: `enable` lifts transformers' refusal on the instance during DFlash calls."""
-    return bool(getattr(type(target), "_is_stateful", False))
+def is_dflash_drafter(model) -> bool:
+    """A DFlash drafter: ours, the same class loaded as remote code, or any model whose config says
+    `block_size`, `mask_token_id` and `target_layer_ids` (transformers' own DFlash drafters)."""
+    if isinstance(model, DFlashDraftModel):
+        return True
+    config = getattr(model, "config", None)
+    return all(getattr(config, name, None) is not None for name in ("block_size", "mask_token_id", "target_layer_ids"))
 
 
 def compatibility_problems(target: PreTrainedModel, drafter: DFlashDraftModel) -> list[str]:
     """Every reason the pair cannot run together, each naming the fix; empty when it can."""
-    if not isinstance(drafter, DFlashDraftModel):
-        return [f"expected a dflash_hf.DFlashDraftModel as the drafter, got {type(drafter).__name__}"]
+    if not is_dflash_drafter(drafter):
+        return [f"expected a DFlash drafter (dflash_hf.DFlashDraftModel), got {type(drafter).__name__}"]
     if target.get_input_embeddings() is None or target.get_output_embeddings() is None:
         return [
             f"{type(target).__name__} has no input embeddings or no lm_head; load the target with "
@@ -95,7 +98,7 @@ def describe_pair(target_config, draft_cfg) -> list[str]:
         f"{_rope_summary(target_cfg)}",
         "drafter sliding-window layers: " + (f"{sliding} (window {draft_cfg.sliding_window})" if sliding else "none"),
         "target cache: " + (
-            "hybrid linear attention, rolled back by snapshot + replay after rejected drafts" if hybrid
+            "hybrid linear attention, rolled back to the recorded state of the last accepted token" if hybrid
             else "attention only, cropped after rejected drafts"
         ),
     ]

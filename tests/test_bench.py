@@ -94,15 +94,13 @@ def test_cli_structure_and_humaneval_refused_for_training(capsys):
         cli.main(["train", "--target", "does-not-matter", "--output-dir", "o", "--prompts", "humaneval"])
 
 
-def test_bench_keeps_the_users_enable_settings():
+def test_bench_sweeps_verify_lengths_per_call_and_keeps_the_users_settings():
     import dflash_hf
-    from dflash_hf.evaluation import verify_length
-    from dflash_hf.generation.enable import dflash_settings
+    from dflash_hf.generation.decoding import dflash_settings
 
     target = dflash_hf.enable(tiny.qwen3_target(), proposal="argmax", verify_length=2)
-    with verify_length(target, 5):
-        assert dflash_settings(target)["verify_length"] == 5
-    assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2, "cost_profile": None}
-    bench.run_bench(target, tiny.drafter(0), [[1, 2, 3]], 4, baseline=False, progress=False,
-                    warmup=False)
-    assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2, "cost_profile": None}
+    result = bench.run_bench(target, tiny.drafter(0, block_size=4), [[1, 2, 3]], 12, verify_lengths=[1],
+                             baseline=False, progress=False, warmup=False, adaptive=False)
+    verified = {key: result["prompts"][0]["dflash"][key]["verify_lengths"] for key in result["sweep"]}
+    assert set(verified) == {"1", "3"} and max(verified["1"]) == 1 and max(verified["3"]) == 3
+    assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2}

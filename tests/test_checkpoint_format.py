@@ -124,12 +124,14 @@ def test_remote_code_drafter_drafts_like_ours(tmp_path):
     hidden = torch.randn(1, 5, 2 * HIDDEN)
     block = torch.randn(1, 16, HIDDEN)
     positions = torch.arange(21)[None]
-    ours = model(block_embeds=block, target_hidden=hidden, position_ids=positions).last_hidden_state
-    theirs = remote(block_embeds=block, target_hidden=hidden, position_ids=positions).last_hidden_state
+    ours = model(noise_embeds=block, context_hidden_states=hidden, position_ids=positions).last_hidden_state
+    theirs = remote(noise_embeds=block, context_hidden_states=hidden, position_ids=positions).last_hidden_state
     assert torch.equal(ours, theirs)
-    # the remote-code class is not ours: the error says how to load it for dflash_hf
-    with pytest.raises(TypeError, match=r"dflash_hf\.DFlashDraftModel\.from_pretrained"):
-        target.generate(torch.tensor([[1, 2]]), max_new_tokens=3, assistant_model=remote)
+    # the remote-code class is not ours, and dflash_hf decodes with it all the same
+    prompt = torch.tensor([[1, 2, 3]])
+    expected = target.generate(prompt, max_new_tokens=12, assistant_model=model, do_sample=False)
+    assert torch.equal(target.generate(prompt, max_new_tokens=12, assistant_model=remote, do_sample=False), expected)
+    assert remote.last_stats.acceptance_lengths == model.last_stats.acceptance_lengths
 
 
 def test_missing_target_layer_ids_are_derived_the_reference_way(tmp_path):

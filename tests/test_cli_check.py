@@ -33,7 +33,7 @@ def test_incompatible_pair_lists_every_reason(tmp_path, capsys):
 
 def test_hybrid_and_gemma_targets_are_described(tmp_path, capsys):
     assert main(["check", *_folders(tmp_path / "h", hybrid_target())]) == 0
-    assert "rolled back by snapshot + replay" in capsys.readouterr().out
+    assert "rolled back to the recorded state of the last accepted token" in capsys.readouterr().out
     assert main(["check", *_folders(tmp_path / "g", gemma4_target())]) == 0
     assert "soft-capped at 30.0" in capsys.readouterr().out
 

@@ -4,6 +4,7 @@ import json
 import subprocess
 import sys
 
+import pytest
 import torch
 from transformers import GenerationMixin, Qwen3ForCausalLM
 
@@ -58,7 +59,7 @@ def test_enabled_target_saves_its_own_architecture(tmp_path):
     assert not dflash_hf.is_enabled(reloaded)
 
 
-def test_stats_reset_at_each_call():
+def test_each_call_has_its_own_stats():
     target = dflash_hf.enable(qwen3_target(), verify_length=None)
     model = drafter(0)
     target.generate(torch.tensor([[1, 2]]), max_new_tokens=9, assistant_model=model, do_sample=False)
@@ -83,3 +84,54 @@ def test_deepcopy_of_an_enabled_target_decodes_with_the_copy():
     expected = Qwen3ForCausalLM.generate(clone, prompt, max_new_tokens=6, do_sample=False)
     assert torch.equal(clone.generate(prompt, max_new_tokens=6, do_sample=False, assistant_model=model), expected)
     assert not torch.equal(target.generate(prompt, max_new_tokens=6, do_sample=False), expected)
+
+
+def test_dropping_an_enabled_target_frees_it_without_the_cycle_collector():
+    import gc
+    import weakref
+
+    target = dflash_hf.enable(qwen3_target())
+    target.generate(torch.tensor([[1, 2]]), max_new_tokens=4, assistant_model=drafter(0))
+    freed = weakref.ref(target)
+    gc.disable()  # reference counting alone must free it: no cycle through the bound generate
+    try:
+        del target
+        assert freed() is None
+    finally:
+        gc.enable()
+
+
+def test_generate_of_a_freed_target_says_what_to_do():
+    bound = dflash_hf.enable(qwen3_target()).generate  # the model itself is not kept
+    with pytest.raises(ReferenceError, match="keep a reference"):
+        bound(torch.tensor([[1, 2]]), max_new_tokens=2)
+
+
+def test_stats_come_back_with_the_output_and_concurrent_calls_keep_their_own():
+    from concurrent.futures import ThreadPoolExecutor
+
+    target = dflash_hf.enable(qwen3_target(), verify_length=None)
+    model = drafter(0, block_size=4)
+
+    def run(new_tokens):
+        out = target.generate(torch.tensor([[3, 4, 5]]), max_new_tokens=new_tokens, do_sample=False,
+                              assistant_model=model, return_dict_in_generate=True)
+        return new_tokens, out
+
+    with ThreadPoolExecutor(2) as pool:
+        results = list(pool.map(run, [5, 17, 9, 13]))
+    for new_tokens, out in results:
+        assert out.dflash_stats.committed_tokens == new_tokens - 1 == out.sequences.shape[1] - 3 - 1
+    assert model.last_stats in [out.dflash_stats for _, out in results]
+
+
+def test_without_enable_through_the_function_and_custom_generate():
+    target, model = qwen3_target(), drafter(0, block_size=4)
+    prompt = torch.tensor([[5, 6, 7]])
+    expected = target.generate(prompt, max_new_tokens=10, do_sample=False)
+    assert torch.equal(dflash_hf.generate(target, prompt, assistant_model=model, max_new_tokens=10, do_sample=False),
+                       expected)
+    out = target.generate(prompt, custom_generate=dflash_hf.dflash_decode, drafter=model, max_new_tokens=10,
+                          do_sample=False, return_dict_in_generate=True)
+    assert torch.equal(out.sequences, expected) and out.dflash_stats is model.last_stats
+    assert "generate" not in target.__dict__

@@ -1,14 +1,13 @@
 """Bad input fails at the boundary with an error that names the fix."""
 
+import copy
 import json
 
 import pytest
 import torch
-from transformers.cache_utils import LinearAttentionAndFullAttentionLayer
 
 import dflash_hf
 from dflash_hf import DFlashConfig, DFlashDraftModel
-from dflash_hf.generation.rollback import check_rollback_supported
 from test_checkpoint_format import ZLAB_CONFIG, write_zlab_folder, zlab_weights
 from tiny import TARGET_LAYERS, VOCAB, drafter, qwen3_target
 
@@ -65,10 +64,19 @@ def test_batch_larger_than_one(target):
         _generate(target, drafter(0), prompt=PROMPT.repeat(2, 1))
 
 
-def test_target_whose_cache_cannot_roll_back():
-    # Hybrid layers that hold linear and attention state in one cache layer are not rolled back yet.
-    with pytest.raises(ValueError, match="cannot roll back LinearAttentionAndFullAttentionLayer"):
-        check_rollback_supported([LinearAttentionAndFullAttentionLayer()])
+def test_target_whose_cache_cannot_roll_back(target):
+    # a sliding-window static cache longer than its window cannot be cropped back after rejected drafts
+    with pytest.raises(ValueError, match="cache that can be cropped"):
+        target.generate(PROMPT, max_new_tokens=4, do_sample=False, assistant_model=drafter(0),
+                        cache=_uncroppable_cache(target))
+
+
+def _uncroppable_cache(target):
+    from transformers import StaticCache
+
+    config = copy.deepcopy(target.config)
+    config.sliding_window, config.layer_types = 2, ["sliding_attention"] * config.num_hidden_layers
+    return StaticCache(config=config, max_cache_len=16)
 
 
 @pytest.mark.parametrize("block_size", (0, 1))

@@ -100,11 +100,12 @@ def test_gpt_oss_config_exercises_window_and_sinks():
     without_sinks = model.generate(prompt, max_new_tokens=20, do_sample=False)
     assert not torch.equal(windowed, without_sinks)
     # DFlash decoding keeps transformers' windowed cache on the sliding layers (cropped after rejections).
-    out = dflash_hf.enable(gpt_oss_target(seed=0)).generate(
+    target = dflash_hf.enable(gpt_oss_target(seed=0))
+    out = target.generate(
         prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter(0, block_size=8),
         return_dict_in_generate=True)
     assert torch.equal(out.sequences, windowed)
-    assert [type(layer).__name__ for layer in out.past_key_values.layers[:2]] == [
+    assert [type(layer).__name__ for layer in out.cache.layers[:2]] == [
         "DynamicSlidingWindowLayer", "DynamicLayer"]
 
 
@@ -244,13 +245,13 @@ def _qwen3_5_moe_target():
 
 
 HYBRIDS = {"qwen3-next": _qwen3_next_target, "qwen3.5": _qwen3_5_target, "qwen3.5-moe": _qwen3_5_moe_target}
-# Hybrid targets decode through the state rollback (dflash_hf/generation/rollback.py).
+# Hybrid targets roll their linear-attention states back to the last accepted token (transformers' cache crop).
 
 
 @pytest.fixture(scope="module", params=sorted(HYBRIDS))
 def hybrid(request):
     model = HYBRIDS[request.param]()
-    assert model._is_stateful and model.config.vocab_size == VOCAB
+    assert "linear_attention" in model.config.layer_types and model.config.vocab_size == VOCAB
     return dflash_hf.enable(model, verify_length=None)
 
 

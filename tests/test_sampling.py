@@ -10,9 +10,9 @@ import pytest
 import torch
 from scipy.stats import chisquare
 from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
-from transformers.generation import utils as generation_utils
 
 import dflash_hf
+from dflash_hf.generation import decoding
 from dflash_hf.generation.verification import rejection_verify, sampling_noise
 from tiny import OracleDrafter, drafter, qwen3_target
 
@@ -167,11 +167,11 @@ def test_first_three_tokens_follow_plain_sampling(sampling_target, setting, prop
 
 
 def test_end_to_end_check_rejects_always_accept(sampling_target, monkeypatch):
-    def accept_everything(candidate_input_ids, candidate_logits, candidate_length, new_logits, **kwargs):
-        bonus = torch.multinomial(new_logits[0, -1].softmax(-1), 1)[None]
-        return torch.cat([candidate_input_ids[:, -candidate_length:], bonus], -1), candidate_length
+    def accept_everything(draft_ids, draft_probs, target_probs, uniform, exponential):
+        bonus = torch.multinomial(target_probs[:, -1], 1)[:, 0]
+        return torch.full_like(bonus, draft_ids.shape[1]), bonus
 
-    monkeypatch.setattr(generation_utils, "_speculative_sampling", accept_everything)
+    monkeypatch.setattr(decoding, "rejection_verify", accept_everything)
     dflash_hf.enable(sampling_target, proposal="argmax", verify_length=None)
     expected = exact_first_three(sampling_target, _processors(temperature=1.0))
     observed, _ = sample_first_three(sampling_target, _oracle(sampling_target), {"temperature": 1.0}, samples=300)

@@ -11,9 +11,9 @@ from tiny import HIDDEN, MASK_ID, drafter, gemma4_target, qwen3_target
 
 
 class RecordingDrafter(type(drafter())):
-    def forward(self, block_embeds, *args, **kwargs):
-        self.block_embeds = block_embeds
-        return super().forward(block_embeds, *args, **kwargs)
+    def forward(self, noise_embeds, *args, **kwargs):
+        self.block_embeds = noise_embeds
+        return super().forward(noise_embeds, *args, **kwargs)
 
 
 def _draft_once(target, model, prompt):

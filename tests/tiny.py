@@ -115,15 +115,15 @@ class OracleDrafter(DFlashDraftModel):
         self.context_lengths = []
         return self
 
-    def forward(self, block_embeds, target_hidden, position_ids, cache=None, attention_mask=None, **kwargs):
+    def forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask=None, cache=None, **kwargs):
         cached = cache.get_seq_length() if cache is not None else 0
         first_position = int(position_ids[0, 0])
         assert first_position == cached, f"context restarts at {first_position}, cache holds {cached}"
-        assert position_ids.shape[1] == target_hidden.shape[1] + block_embeds.shape[1]
-        self.context_lengths.append(target_hidden.shape[1])
-        output = super().forward(block_embeds, target_hidden, position_ids, cache, attention_mask, **kwargs)
+        assert position_ids.shape[1] == context_hidden_states.shape[1] + noise_embeds.shape[1]
+        self.context_lengths.append(context_hidden_states.shape[1])
+        output = super().forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache, **kwargs)
 
-        block_positions = position_ids[0, -block_embeds.shape[1]:]
+        block_positions = position_ids[0, -noise_embeds.shape[1]:]
         wanted = torch.zeros_like(block_positions)
         in_script = block_positions < self.script.shape[0]
         wanted[in_script] = self.script[block_positions[in_script]]

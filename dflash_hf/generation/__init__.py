@@ -1,5 +1,6 @@
 from .candidate_generator import DFlashCandidateGenerator
-from .enable import enable, is_enabled
+from .decoding import DFlashGenerateOutput, dflash_decode, enable, generate, is_enabled
 from .stats import DFlashStats
 
-__all__ = ["DFlashCandidateGenerator", "DFlashStats", "enable", "is_enabled"]
+__all__ = ["DFlashCandidateGenerator", "DFlashGenerateOutput", "DFlashStats", "dflash_decode", "enable", "generate",
+           "is_enabled"]

@@ -1,229 +1,169 @@
-"""Drafting a DFlash block for transformers' assisted-generation loop."""
+"""Drafting a DFlash block: transformers' own `DFlashTokenCandidateGenerator` plus what it lacks.
 
-import time
+Upstream's generator (transformers >= 5.24) already holds the protocol: a `DFlashCache` of committed
+context, only the hidden states the drafter reads (`model_kwargs_overrides`), the block embedded with
+the target's embeddings, the target's lm_head for the drafts. This subclass adds, per step:
+
+- a verify length: how many of the `block_size - 1` drafts go to the target (`policy.py`); with 0
+  the step is a plain decoding step and the drafter does not run (its context waits in a buffer);
+- the way drafts are proposed under sampling (`PROPOSALS`), with the scores q they were drawn from;
+- Gemma's final logit soft-capping on draft logits, as on the target's;
+- the draft logits computed only for the slots that are verified, on the lm_head's device.
+"""
 
 import torch
-from transformers import DynamicCache, GenerationConfig, LogitsProcessorList, PreTrainedModel
-from transformers.generation.candidate_generator import CandidateGenerator
+from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
+from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
-from ..modeling_dflash import DFlashDraftModel
 from ..targets import apply_softcap, logit_softcap
 from .policy import AdaptiveVerifyLength
-from .profile import CostProfile, load_profile
-from .rollback import RollbackCache, replay
 from .stats import DFlashStats
 
-# How drafts are proposed and verified under `do_sample=True` (all three are lossless):
+# How drafts are proposed under `do_sample=True` (all three are lossless):
+# - "sample": a draw from the drafter's q; rejection sampling accepts it with prob min(1, p(d) / q(d)).
 # - "argmax": the drafter's most likely token, q one-hot; rejection sampling accepts it with prob p(d).
-# - "sample": a draw from the drafter's q; rejection sampling accepts with prob min(1, p(d) / q(d)).
 # - "match": argmax drafts kept only where they equal an independent sample of the target (the
 #   reference implementation's rule; kept to measure the others against).
-PROPOSALS = ("argmax", "sample", "match")
-
-
+PROPOSALS = ("sample", "argmax", "match")
 ADAPTIVE = "adaptive"
 
 
-def check_settings(proposal: str, verify_length, cost_profile=None) -> None:
-    """The options `enable` stores and the generator takes, checked once for both."""
+def check_settings(proposal: str, verify_length) -> None:
+    """The DFlash options (`enable`, per call, `GenerationConfig`), checked where they come in."""
     if proposal not in PROPOSALS:
-        raise ValueError(f"proposal must be one of {PROPOSALS}, got {proposal!r}")
+        raise ValueError(f"dflash proposal must be one of {PROPOSALS}, got {proposal!r}")
     fixed = isinstance(verify_length, int) and not isinstance(verify_length, bool) and verify_length >= 0
     if not (verify_length is None or verify_length == ADAPTIVE or fixed):
         raise ValueError(
             f"verify_length must be {ADAPTIVE!r} (choose per step), None (every draft) or an int >= 0 (at most that "
             f"many drafts; 0 never drafts), got {verify_length!r}"
         )
-    if cost_profile is not None and not isinstance(cost_profile, CostProfile):
-        raise TypeError(f"cost_profile must be a dflash_hf CostProfile, got {type(cost_profile).__name__}")
 
 
-class DFlashCandidateGenerator(CandidateGenerator):
-    """Drafts `block_size - 1` tokens per step from the target's hidden states.
+class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
+    """Drafts up to `block_size - 1` tokens per step from the target's hidden states.
 
-    transformers' loop calls `get_candidates` before each target forward and hands it the outputs of
-    the previous one. The drafter's cache holds the context of every committed token but the
-    anchor (the last one), so each step feeds only the newly committed tokens' hidden states plus the
-    block: O(block) work, the prefix is never re-encoded.
+    `get_candidates` has upstream's signature and contract: it is called before each target forward
+    with that forward's predecessor's outputs and `n_last_matches` (drafts it accepted), and returns
+    `(input_ids + drafts, (1, k, vocab) scores)`, or no candidates for the prefill and plain steps.
 
     Args:
         target (`PreTrainedModel`): the model being decoded; its embeddings and lm_head are used.
-        drafter (`DFlashDraftModel`): the DFlash drafter.
+        drafter (`DFlashDraftModel`): the DFlash drafter (or any model with its config and forward).
         generation_config (`GenerationConfig`): the call's config (`max_length`, `do_sample`).
         logits_processor (`LogitsProcessorList`, *optional*): applied to draft logits exactly as the
             loop applies it to the target's, so that q and p see the same processing.
-        proposal (`str`, defaults to `"sample"`): see `PROPOSALS`; `benchmarks/sampling.py` measured
-            it best (its acceptance is 1 - TV(p, q) where argmax's is p(argmax q), as low as "match").
-        verify_length (`str` or `int`, *optional*, defaults to `"adaptive"`): how many drafts the
-            target verifies per step. `"adaptive"`: chosen each step from running acceptance statistics
-            and the hardware profile (`policy.py`; 0 drafts, a plain step, when drafting does not pay);
-            `None`: all `block_size - 1`; an int: at most that many. The drafter still drafts its whole
-            trained block (shortening its input hurts acceptance).
-        cost_profile (`CostProfile`, *optional*): step costs for the adaptive policy; default: the cached
-            profile of this pair on this hardware (`profile.load_profile`, measured on first use).
+        proposal (`str`, defaults to `"sample"`): see `PROPOSALS`.
+        verify_length (`str` or `int`, *optional*, defaults to `"adaptive"`): drafts verified per step:
+            `"adaptive"` (chosen each step, `policy.AdaptiveVerifyLength`), `None` (all), or at most an int.
+            The drafter always drafts its whole trained block: shortening its input hurts acceptance.
     """
-
-    requires_model_outputs = True
 
     def __init__(
         self,
         target: PreTrainedModel,
-        drafter: DFlashDraftModel,
+        drafter,
         generation_config: GenerationConfig,
         logits_processor: LogitsProcessorList | None = None,
         proposal: str = "sample",
         verify_length: int | str | None = ADAPTIVE,
-        cost_profile: CostProfile | None = None,
     ):
-        check_settings(proposal, verify_length, cost_profile)
-        self.target = target
-        self.drafter = drafter
-        self.embed_tokens = target.get_input_embeddings()
-        self.lm_head = target.get_output_embeddings()
+        check_settings(proposal, verify_length)
+        super().__init__(
+            drafter, target.get_input_embeddings(), target.get_output_embeddings(), generation_config,
+            logits_processor if logits_processor is not None else LogitsProcessorList(),
+        )
         self.softcap = logit_softcap(target)
-        self.block_size = drafter.config.block_size
-        fixed = verify_length is None or verify_length == ADAPTIVE
-        self.max_drafts = self.block_size - 1 if fixed else min(verify_length, self.block_size - 1)
-        self.policy = None
-        if verify_length == ADAPTIVE and self.max_drafts > 0:
-            profile = cost_profile if cost_profile is not None else load_profile(target, drafter)
-            self.policy = AdaptiveVerifyLength(self.max_drafts, profile)
-        self.layer_ids = drafter.config.target_layer_ids
-        self.max_length = generation_config.max_length
-        self.do_sample = bool(generation_config.do_sample)
-        self.logits_processor = logits_processor if logits_processor is not None else LogitsProcessorList()
         self.proposal = proposal
-        # Only the hidden states the drafter reads (hidden_states[i + 1]), unless the user asked for all.
-        wanted = True if generation_config.output_hidden_states else sorted({i + 1 for i in self.layer_ids})
-        self.model_kwargs_overrides = {"output_hidden_states": wanted}
-        self.mask_ids = torch.full((1, self.block_size - 1), drafter.config.mask_token_id, dtype=torch.long)
-        self.cache = DynamicCache()
-        self.padded = None  # whether the prompt has padding; decided once, at the first draft
-        # Context features of committed tokens the drafter has not ingested yet (plain steps skip it).
-        self.pending_context: list[torch.Tensor] = []
-        self.pending_length = 0
+        bounded = verify_length not in (None, ADAPTIVE)
+        self.max_drafts = min(verify_length, self.block_size - 1) if bounded else self.block_size - 1
+        self.policy = AdaptiveVerifyLength(self.max_drafts) if verify_length == ADAPTIVE and self.max_drafts else None
+        if generation_config.output_hidden_states:  # the caller asked for every layer
+            self.model_kwargs_overrides = {"output_hidden_states": True}
         self.stats = DFlashStats()
-        drafter.last_stats = self.stats
-        self._pending_drafts = None  # None until the prefill forward has been seen
-        self._clock = time.perf_counter()
+        # Context features of committed tokens the drafter has not ingested (plain steps skip it).
+        self.pending_context: list[torch.Tensor] = []
+        self.block_in_cache = False  # the last drafter forward left its block's keys/values in the cache
+        self.padded: bool | None = None  # whether the prompt has padding; decided at the first draft
+        self.num_drafts = 0  # drafts handed to the target at the current step
 
     @property
     def num_drafting_tokens(self) -> int:
-        """Drafts per step at most; transformers keeps that many recurrent states for rollbacks."""
-        return self.block_size - 1
+        # transformers sizes the recurrent-state history (linear-attention layers) by this for rollbacks.
+        return self.block_size
 
     def get_candidates(
         self,
         input_ids: torch.LongTensor,
-        model_kwargs: dict | None = None,
+        model_kwargs: dict,
         model_outputs=None,
         is_first_iteration: bool = False,
+        n_last_matches: int = 0,
         **kwargs,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        """Returns `(input_ids + drafts, draft scores)`: `(1, n + k)` ids and `(1, k, vocab)` scores.
-
-        The first call precedes the prefill, whose hidden states the drafter needs: it returns no
-        candidates, so the loop's first forward is a plain prefill.
-        """
-        start = time.perf_counter()
-        self._clock = start
-        target_cache = model_kwargs.get("cache") if model_kwargs else None
-        rollback = isinstance(target_cache, RollbackCache)
-        if rollback:
-            model_outputs = self._sync_target_state(input_ids, target_cache, model_outputs, model_kwargs)
-        if is_first_iteration:
-            self._pending_drafts = 0 if self._pending_drafts is not None else None
+        """`(1, n + k)` ids and `(1, k, vocab)` scores q of the drafts (None: no drafts, or "match")."""
+        self.num_drafts = 0
+        if is_first_iteration:  # the prefill forward comes first: its hidden states are the first context
             return input_ids, None
-
-        positions = model_kwargs.get("position_ids") if model_kwargs else None
-        if positions is None:
-            positions = torch.arange(input_ids.shape[1], device=input_ids.device)[None]
-        self._collect_context(positions, model_outputs)
-        limit = min(self.max_drafts, self.max_length - input_ids.shape[1] - 1)
+        hidden_states = model_outputs.hidden_states
+        # The prefill forward covered the whole prompt (maybe given as embeddings); a later one covered
+        # [anchor, drafts], of which the anchor and the accepted drafts are now committed context.
+        num_new = hidden_states[self.target_layer_ids[0] + 1].shape[1] if self.is_main_model_prefill else n_last_matches + 1
+        self.is_main_model_prefill = False
+        self.pending_context.append(
+            torch.cat([hidden_states[i + 1][:, :num_new].to(self.device) for i in self.target_layer_ids], dim=-1)
+        )
+        limit = min(self.max_drafts, self.main_model_max_length - input_ids.shape[1] - 1)
         if self.policy is not None and limit > 0:
-            limit = self.policy.choose(positions.shape[-1], limit)
-        num_drafts = max(0, limit)
-        self._pending_drafts = num_drafts
-        self.stats.verify_lengths.append(num_drafts)
-        if num_drafts == 0:  # a plain step: the target decodes one token, the drafter waits
+            limit = self.policy.choose(limit)
+        if limit <= 0:  # a plain step: the target decodes one token, the drafter waits
             return input_ids, None
-
-        block_hidden = self._draft_block(input_ids, positions, model_kwargs)
-        logits = self.lm_head(block_hidden[:, 1 : 1 + num_drafts].to(self.lm_head.weight.dtype))
-        drafts, scores = self._propose(input_ids, apply_softcap(logits, self.softcap).float())
-
-        self._clock = time.perf_counter()
-        self.stats.draft_seconds += self._clock - start
-        if self.do_sample and self.proposal == "match":
-            scores = None  # transformers then samples the target per position and keeps equal drafts
-        if rollback:
-            target_cache.snapshot()
+        self.num_drafts = limit
+        hidden = self._draft_block(input_ids, model_kwargs)[:, 1 : 1 + limit]
+        head = self.main_model_output_embeddings
+        logits = apply_softcap(head(hidden.to(head.weight.device, head.weight.dtype)), self.softcap).float()
+        drafts, scores = self._propose(input_ids, logits.to(input_ids.device))
         return torch.cat([input_ids, drafts], dim=-1), scores
 
-    def _sync_target_state(self, input_ids, cache: RollbackCache, model_outputs, model_kwargs=None):
-        """Hybrid targets: after a rejection the cache was rolled back to before the verification;
-        replay the committed tokens so that every layer's state covers exactly `input_ids[:, :-1]`."""
-        if cache.replay_from is None:
-            return model_outputs
-        model_kwargs = model_kwargs or {}
-        return replay(self.target, cache, input_ids, self.model_kwargs_overrides, self.stats,
-                      attention_mask=model_kwargs.get("attention_mask"), position_ids=model_kwargs.get("position_ids"))
-
-    def _collect_context(self, positions, model_outputs) -> None:
-        """Keeps the context features of the tokens the last target forward committed.
-
-        That forward started at the first token the drafter has not seen; its first
-        `anchor_index - known` positions are the newly committed tokens (the rest were rejected drafts
-        or the new anchor)."""
-        anchor_index = positions.shape[-1] - 1
-        num_new = anchor_index - (self.cache.get_seq_length() + self.pending_length)
-        if num_new <= 0:
-            return
-        hidden_states = model_outputs.hidden_states
-        # per-layer hidden states may sit on different GPUs (device_map): gather them on the drafter's
-        device = self.drafter.device
-        self.pending_context.append(
-            torch.cat([hidden_states[i + 1][:, :num_new].to(device) for i in self.layer_ids], dim=-1)
+    def _draft_block(self, input_ids: torch.LongTensor, model_kwargs: dict) -> torch.Tensor:
+        """One drafter forward over [pending context ; anchor, mask x (B - 1)]: the `(1, B, hidden)` block output."""
+        if self.block_in_cache:  # keep committed context only: the block's keys/values change every step
+            self.cache.crop(-self.block_size)
+        context = torch.cat(self.pending_context, dim=1) if len(self.pending_context) > 1 else self.pending_context[0]
+        self.pending_context = []
+        num_context = context.shape[1]
+        # model_kwargs cover the whole sequence, the anchor (last token, not yet context) included
+        positions = model_kwargs.get("position_ids")
+        if positions is None:
+            total = model_kwargs["cache"].get_seq_length() + 1 if "cache" in model_kwargs else input_ids.shape[1]
+            positions = torch.arange(total, device=input_ids.device)[None]
+        anchor = positions[..., -1:]
+        position_ids = torch.cat(
+            [positions[..., -1 - num_context : -1], anchor + torch.arange(self.block_size, device=anchor.device)], dim=-1
         )
-        self.pending_length += num_new
-
-    def _draft_block(self, input_ids, positions, model_kwargs) -> torch.Tensor:
-        """One drafter forward over [pending context ; anchor, mask x (B-1)]; returns the block's
-        (1, B, hidden) output."""
-        device = self.drafter.device
-        # A prompt given as inputs_embeds is in the positions (and the target's cache) but not in input_ids.
-        anchor_index = positions.shape[-1] - 1
-        cached = self.cache.get_seq_length()
-        target_hidden = torch.cat(self.pending_context, dim=1)
-        self.pending_context, self.pending_length = [], 0
-
-        block_positions = positions[:, -1:] + torch.arange(self.block_size, device=positions.device)
-        position_ids = torch.cat([positions[:, cached:anchor_index], block_positions], dim=-1)
-
-        attention_mask = model_kwargs.get("attention_mask") if model_kwargs else None
+        attention_mask = model_kwargs.get("attention_mask")
         if self.padded is None:
             self.padded = attention_mask is not None and not bool(attention_mask.all())
         if self.padded:
-            block_ones = attention_mask.new_ones(attention_mask.shape[0], self.block_size)
-            attention_mask = torch.cat([attention_mask[:, :anchor_index], block_ones], dim=-1).to(device)
+            block = attention_mask.new_ones(attention_mask.shape[0], self.block_size)
+            attention_mask = torch.cat([attention_mask[:, :-1], block], dim=-1).to(self.device)
         else:
             attention_mask = None
-
-        block_ids = torch.cat([input_ids[:, -1:], self.mask_ids.to(input_ids.device)], dim=-1)
-        block_embeds = self.embed_tokens(block_ids.to(self.embed_tokens.weight.device))
-        output = self.drafter(
-            block_embeds=block_embeds.to(device),
-            target_hidden=target_hidden,
-            position_ids=position_ids.to(device),
-            cache=self.cache,
+        noise_ids = torch.cat([input_ids[:, -1:], self.noise_ids_mask.to(input_ids.device)], dim=-1)
+        noise_embeds = self._get_noise_embeds(noise_ids.to(self.main_model_input_embeddings.weight.device))
+        self.cache.set_previous_accepted_tokens(num_context)
+        output = self.assistant_model(
+            noise_embeds=noise_embeds.to(self.device),
+            context_hidden_states=context,
+            position_ids=position_ids.to(self.device),
             attention_mask=attention_mask,
+            cache=self.cache,
         )
-        # Keep committed context only: the block's keys/values change with every step.
-        self.cache.crop(-self.block_size)
+        self.block_in_cache = True
         return output.last_hidden_state
 
-    def _propose(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor]:
-        """Turns (1, k, vocab) draft logits into k draft tokens and the scores q they were drawn from.
+    def _propose(self, input_ids: torch.LongTensor, logits: torch.Tensor) -> tuple[torch.LongTensor, torch.Tensor | None]:
+        """Draft tokens from `(1, k, vocab)` logits and the scores q they were drawn from.
 
         Processors see the same prefixes (prompt + earlier drafts) as the loop gives them for the
         target's logits, so that the drafter's q and the target's p are processed alike.
@@ -243,21 +183,19 @@ class DFlashCandidateGenerator(CandidateGenerator):
                 ids = torch.cat([ids, token], dim=-1)
             drafts = ids[:, input_ids.shape[1] :]
         if self.do_sample and self.proposal == "argmax":
-            # The proposal is deterministic: q is one-hot at the draft (still lossless under rejection sampling).
+            # A deterministic proposal: q is one-hot at the draft (still lossless under rejection sampling).
             scores = torch.full_like(scores, float("-inf")).scatter_(-1, drafts[..., None], 0.0)
+        if self.do_sample and self.proposal == "match":
+            scores = None  # verified by the reference rule: keep drafts equal to a sample of the target
         return drafts, scores
 
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores: torch.Tensor, num_matches: int):
-        """Called by the loop after each target forward with the number of drafts it committed."""
-        now = time.perf_counter()
-        self.stats.verify_seconds += now - self._clock
-        self._clock = now
-        if self._pending_drafts is None:  # the prefill forward
-            self._pending_drafts = 0
-            return
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores, num_matches: int, seconds: float = 0.0):
+        """After each target forward but the prefill: `num_matches` drafts were committed, the step
+        (drafting and verifying) took `seconds`."""
         accepted = int(num_matches)
         if self.policy is not None:
-            self.policy.observe(self._pending_drafts, accepted)
-        self.stats.acceptance_lengths.append(accepted + 1)
-        self.stats.drafted_tokens += self._pending_drafts
-        self.stats.accepted_tokens += accepted
+            self.policy.observe(self.num_drafts, accepted, seconds)
+        self.stats.record(self.num_drafts, accepted)
+
+
+__all__ = ["ADAPTIVE", "DFlashCandidateGenerator", "PROPOSALS", "check_settings"]

@@ -1,14 +1,14 @@
 """How many drafts the target verifies each step: the length that maximises expected tokens per second.
 
 Verifying `n` drafts commits `E(n) = 1 + S_1 + ... + S_n` tokens on average, where `S_k` is the
-chance that the first `k` drafts are all accepted, and costs `drafter + target(n + 1)` seconds
-(`target(1)` alone for `n = 0`: a plain decoding step, no drafter). `S_k` is the product of per
-position acceptance rates, estimated from this call's recent steps (exponentially forgotten, so a
-switch from code to prose shows within a few steps) under a Beta prior; the costs come from the
-hardware profile (`profile.py`). When no `n > 0` pays, the policy decodes plainly and probes a
-one-draft step again after 8, 16, 32, ... 128 plain steps (the statistics keep fading meanwhile, so a
-probe on text that became easy resumes drafting at once), so a useless drafter costs almost nothing
-and a drafter that becomes useful again is noticed.
+chance that the first `k` drafts are all accepted, and costs a step of `seconds(n)` (for `n = 0` a
+plain decoding step, no drafter). `S_k` is the product of per position acceptance rates, estimated
+from this call's recent steps (exponentially forgotten, so a switch from code to prose shows within a
+few steps) under a Beta prior. The step costs are learnt from this call's own steps (`StepCosts`): no
+call measures anything before its first token. When no `n > 0` pays, the policy decodes plainly and
+probes a one-draft step again after 8, 16, 32, ... 128 plain steps (the statistics keep fading
+meanwhile, so a probe on text that became easy resumes drafting at once), so a useless drafter costs
+almost nothing and a drafter that becomes useful again is noticed.
 
 The policy only changes how many drafts are verified: the committed tokens are the target's own
 (greedy) or distributed exactly as the target's (rejection sampling) whatever it chooses.
@@ -16,19 +16,49 @@ The policy only changes how many drafts are verified: the committed tokens are t
 
 from __future__ import annotations
 
-from .profile import CostProfile
+
+class StepCosts:
+    """Seconds of a decoding step by the number of drafts it verified, learnt online.
+
+    Each observed length keeps a running mean (recent steps weigh most: costs grow with the context).
+    A length not observed yet is priced by the shape `prior(n)` (a plain step 1, a drafted one
+    `1 + draft + per_draft * n`: the drafter's forward plus a target forward that grows with the
+    tokens verified) times the running mean of `seconds / prior(n)` over every step, so that each step
+    calibrates all lengths and one slow step is soon forgotten.
+
+    Args:
+        max_drafts (`int`): the longest verify length.
+        draft (`float`, defaults to 0.3): prior cost of the drafter's step, in plain steps.
+        per_draft (`float`, defaults to 0.1): prior extra cost of each verified draft, in plain steps
+            (measured on 2 CPU cores for SmolLM2-135M: 0.03 in bf16, 0.06 in fp32; on a GPU less).
+        memory (`float`, defaults to 8): observations over which a mean forgets (by `1/e`).
+    """
+
+    def __init__(self, max_drafts: int, draft: float = 0.3, per_draft: float = 0.1, memory: float = 8.0):
+        self.prior = [1.0] + [1.0 + draft + per_draft * n for n in range(1, max_drafts + 1)]
+        self.weight = 1.0 / memory
+        self.mean: list[float | None] = [None] * (max_drafts + 1)
+        self.scale: float | None = None  # seconds per prior unit, over all steps
+
+    def observe(self, num_drafts: int, seconds: float) -> None:
+        self.mean[num_drafts] = self._update(self.mean[num_drafts], seconds)
+        self.scale = self._update(self.scale, seconds / self.prior[num_drafts])
+
+    def _update(self, mean: float | None, value: float) -> float:
+        return value if mean is None else mean + self.weight * (value - mean)
+
+    def seconds(self) -> list[float]:
+        """Expected seconds of a step verifying n drafts, n = 0..max_drafts (prior units before any step)."""
+        scale = 1.0 if self.scale is None else self.scale
+        return [mean if mean is not None else scale * prior for mean, prior in zip(self.mean, self.prior)]
 
 
 class AdaptiveVerifyLength:
     """Per-call state of the adaptive verify length (one instance per `generate` call).
 
-    Measured with SmolLM2-135M on a CPU and an untrained drafter (`dflash-hf bench --drafter random`),
-    probes of the whole block cost ~4% of the run; one-draft probes and intervals from 8 to 128
-    steps cost about half of that.
-
     Args:
         max_drafts (`int`): drafts available per step (`block_size - 1`).
-        profile (`CostProfile`): measured step costs.
+        costs (`StepCosts`, *optional*): step costs (default: learnt from this call's steps).
         memory (`float`, defaults to 16): steps over which acceptance statistics are forgotten (by `1/e`).
         prior (`tuple[float, float]`, defaults to `(0.75, 0.25)`): Beta pseudo-counts (accepted,
             rejected) of every position before any observation: optimistic, so that the first step drafts
@@ -40,7 +70,7 @@ class AdaptiveVerifyLength:
     def __init__(
         self,
         max_drafts: int,
-        profile: CostProfile,
+        costs: StepCosts | None = None,
         memory: float = 16.0,
         prior: tuple[float, float] = (0.75, 0.25),
         min_probe_interval: int = 8,
@@ -49,7 +79,7 @@ class AdaptiveVerifyLength:
         if max_drafts < 0:
             raise ValueError(f"max_drafts must be >= 0, got {max_drafts}")
         self.max_drafts = max_drafts
-        self.profile = profile
+        self.costs = costs if costs is not None else StepCosts(max_drafts)
         self.decay = 1.0 - 1.0 / memory
         self.prior = prior
         self.accepted = [0.0] * max_drafts  # forgotten counts, per draft position
@@ -59,7 +89,6 @@ class AdaptiveVerifyLength:
         self.plain = False  # decoding plainly until a probe shows that drafting pays again
         self.plain_steps = 0  # since the switch to plain steps or the last probe
         self.probing = False
-        self.context_length = 0
 
     def acceptance_rates(self) -> list[float]:
         """P(draft k accepted | drafts 1..k-1 accepted), k = 1..max_drafts."""
@@ -74,28 +103,20 @@ class AdaptiveVerifyLength:
             expected.append(expected[-1] + survival)
         return expected
 
-    def step_seconds(self, context_length: int) -> list[float]:
-        """Cost of a step verifying n drafts, n = 0..max_drafts."""
-        draft = self.profile.draft_time(context_length)
-        return [self.profile.target_time(1, context_length)] + [
-            draft + self.profile.target_time(n + 1, context_length) for n in range(1, self.max_drafts + 1)
-        ]
-
-    def best(self, context_length: int, limit: int | None = None, lowest: int = 0) -> int:
+    def best(self, limit: int | None = None, lowest: int = 0) -> int:
         """The n in [lowest, limit] with the most expected tokens per second."""
         limit = self.max_drafts if limit is None else min(limit, self.max_drafts)
         if limit < lowest:
             return limit
-        expected, seconds = self.expected_tokens(), self.step_seconds(context_length)
+        expected, seconds = self.expected_tokens(), self.costs.seconds()
         return max(range(lowest, limit + 1), key=lambda n: (expected[n] / seconds[n], -n))
 
-    def choose(self, context_length: int, limit: int | None = None) -> int:
+    def choose(self, limit: int | None = None) -> int:
         """Drafts to verify in the next step (0: a plain decoding step, the drafter is not run)."""
         if limit is not None and limit <= 0:
             return 0
-        self.context_length = context_length
         if not self.plain:
-            n = self.best(context_length, limit)
+            n = self.best(limit)
             if n > 0:
                 return n
             self.plain, self.plain_steps = True, 1
@@ -108,9 +129,11 @@ class AdaptiveVerifyLength:
         self.plain_steps, self.probing = 0, True
         return 1
 
-    def observe(self, num_drafts: int, num_accepted: int) -> None:
-        """A step verified `num_drafts` drafts and accepted the first `num_accepted` (called for
-        plain steps too: statistics fade with every step, drafted or not)."""
+    def observe(self, num_drafts: int, num_accepted: int, seconds: float | None = None) -> None:
+        """A step verified `num_drafts` drafts, accepted the first `num_accepted` and took `seconds`
+        (called for plain steps too: statistics fade with every step, drafted or not)."""
+        if seconds:
+            self.costs.observe(num_drafts, seconds)
         self.accepted = [x * self.decay for x in self.accepted]
         self.seen = [x * self.decay for x in self.seen]
         for k in range(min(num_accepted, num_drafts)):
@@ -121,10 +144,10 @@ class AdaptiveVerifyLength:
         if self.probing:
             self.probing = False
             # resume only on evidence: a probe that accepted drafts and made drafting pay again
-            if num_accepted > 0 and self.best(self.context_length) > 0:
+            if num_accepted > 0 and self.best() > 0:
                 self.plain, self.probe_interval = False, self.min_probe_interval
             else:
                 self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
 
 
-__all__ = ["AdaptiveVerifyLength"]
+__all__ = ["AdaptiveVerifyLength", "StepCosts"]

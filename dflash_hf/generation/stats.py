@@ -1,11 +1,12 @@
-"""What one DFlash `generate()` call did, kept on the drafter as `drafter.last_stats`."""
+"""What one DFlash `generate()` call did: returned with the output (`return_dict_in_generate=True`)
+as `output.dflash_stats`, and kept on the drafter as `drafter.last_stats` (the latest call's)."""
 
 from dataclasses import dataclass, field
 
 
 @dataclass
 class DFlashStats:
-    """Counters of one generate call (reset at each call).
+    """Counters of one generate call (each call has its own).
 
     `acceptance_lengths` has one entry per verification forward of the target (the prefill forward
     is not counted, as in the reference implementation): drafts accepted plus the one token the
@@ -17,10 +18,15 @@ class DFlashStats:
     verify_lengths: list[int] = field(default_factory=list)
     drafted_tokens: int = 0  # drafts handed to the target for verification
     accepted_tokens: int = 0  # of those, drafts the target committed
-    draft_seconds: float = 0.0  # in the drafter (context ingestion + block forward + lm_head)
-    verify_seconds: float = 0.0  # in the target's forward and acceptance, prefill included
-    replay_forwards: int = 0  # hybrid targets: forwards that re-ran committed tokens after a rejection
-    replay_seconds: float = 0.0  # their time (also inside draft_seconds)
+    draft_seconds: float = 0.0  # in the drafter (context ingestion + block forward + lm_head + proposal)
+    verify_seconds: float = 0.0  # in the target's forwards and acceptance, prefill included
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One verification forward: `num_drafts` drafts handed over, the first `num_accepted` committed."""
+        self.verify_lengths.append(num_drafts)
+        self.acceptance_lengths.append(num_accepted + 1)
+        self.drafted_tokens += num_drafts
+        self.accepted_tokens += num_accepted
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -59,7 +65,5 @@ class DFlashStats:
             "accepted_tokens": self.accepted_tokens,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
-            "replay_forwards": self.replay_forwards,
-            "replay_seconds": self.replay_seconds,
             "plain_steps": self.plain_steps,
         }

@@ -1,0 +1,329 @@
+"""How DFlash plugs into `generate()`, and the decoding loop it runs there.
+
+transformers' `generate(custom_generate=callable)` prepares everything (generation config, logits
+processors, stopping criteria, the target's cache, attention mask, position ids) and hands the decoding
+loop to the callable: `dflash_decode` is that loop. It is ours rather than transformers' assisted loop
+because that loop cannot take another candidate generator than its own, stops only at block ends,
+and returns no statistics; ours is one screen long and reuses transformers' pieces (its DFlash
+candidate generator, `prepare_inputs_for_generation`, caches that crop and roll back linear-attention
+states).
+
+`generate(model, ...)` is `model.generate` with DFlash: given a DFlash drafter as `assistant_model` it
+calls transformers' `generate` with `custom_generate=dflash_decode`, otherwise plain `generate`.
+`enable(model)` binds it onto one instance, the way transformers binds a `custom_generate` repo's
+`generate` (`model.generate = partial(generate, model=model)`), but through a weak reference, so
+that dropping the last reference to the model frees it.
+"""
+
+import copy
+import functools
+import inspect
+import time
+import weakref
+from dataclasses import dataclass
+
+import torch
+from transformers import GenerationMixin, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StopStringCriteria
+from transformers.generation.utils import GenerateDecoderOnlyOutput
+
+from ..modeling_dflash import DFlashDraftModel
+from ..targets import check_compatible, is_dflash_drafter
+from .candidate_generator import ADAPTIVE, DFlashCandidateGenerator, check_settings
+from .stats import DFlashStats
+from .verification import greedy_verify, rejection_verify, sampling_noise
+
+_SETTINGS = "_dflash_settings"  # where enable() keeps its options, in the instance's __dict__
+DEFAULTS = {"proposal": "sample", "verify_length": ADAPTIVE}
+_UNSET = object()
+
+
+@dataclass
+class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
+    """`GenerateDecoderOnlyOutput` plus this call's `dflash_stats` (`return_dict_in_generate=True`)."""
+
+    dflash_stats: DFlashStats | None = None
+
+
+@torch.no_grad()
+def dflash_decode(
+    model: PreTrainedModel,
+    input_ids: torch.LongTensor,
+    logits_processor,
+    stopping_criteria: StoppingCriteriaList,
+    generation_config,
+    synced_gpus: bool = False,
+    streamer=None,
+    drafter=None,
+    dflash_verify_length=_UNSET,
+    dflash_proposal=_UNSET,
+    dflash_settings: dict | None = None,
+    **model_kwargs,
+):
+    """DFlash speculative decoding, as a `custom_generate` callable of transformers' `generate`.
+
+    `target.generate(ids, custom_generate=dflash_decode, drafter=drafter)` runs it directly (transformers
+    then neither passes a streamer nor builds stop-string criteria: `dflash_hf.generate` or `enable` do).
+    Per call, `dflash_verify_length=` and `dflash_proposal=` (or the same fields of a `GenerationConfig`)
+    override `dflash_settings` (what `enable` stored), see `DFlashCandidateGenerator`.
+    """
+    generator = _start(model, drafter, input_ids, generation_config, logits_processor, model_kwargs,
+                       {"verify_length": dflash_verify_length, "proposal": dflash_proposal}, dflash_settings)
+    stats, cache = generator.stats, model_kwargs["cache"]
+    eos = next((c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)), None)
+    # Stop strings and custom criteria are checked after every committed token, like plain generate.
+    per_token = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
+    keep = generation_config.return_dict_in_generate
+    scores = () if keep and generation_config.output_scores else None
+    raw_logits = () if keep and generation_config.output_logits else None
+    hidden_states = () if keep and generation_config.output_hidden_states else None
+
+    outputs, accepted, first = None, 0, True
+    while True:
+        start = time.perf_counter()
+        # 1. Drafts (none for the prefill and for plain steps), from the last forward's hidden states.
+        candidate_ids, draft_scores = generator.get_candidates(input_ids, model_kwargs, outputs, first, accepted)
+        num_drafts, length = candidate_ids.shape[1] - input_ids.shape[1], input_ids.shape[1]
+        drafted = time.perf_counter()
+        # 2. One target forward over [last token, drafts] (the whole prompt at the prefill).
+        inputs = model.prepare_inputs_for_generation(
+            candidate_ids, next_sequence_length=None if first else num_drafts + 1, is_first_iteration=first,
+            **_extend(model_kwargs, num_drafts),
+        )
+        if "logits_to_keep" in inputs:
+            inputs["logits_to_keep"] = num_drafts + 1
+        outputs = model(**(inputs | generator.model_kwargs_overrides))
+        if first and not outputs.cache.is_croppable:
+            raise ValueError(f"DFlash needs a target cache that can be cropped after rejected drafts; "
+                             f"{type(cache).__name__} of {type(model).__name__} cannot. Use the default cache.")
+        logits = outputs.logits[:, -num_drafts - 1 :].to(input_ids.device, torch.float32)
+        processed = logits.clone()
+        for i in range(num_drafts + 1):
+            processed[:, i] = logits_processor(candidate_ids[:, : length + i], processed[:, i])
+        # 3. Accepted prefix + one token of the target's, cut at EOS and max_length; one host sync.
+        drafts = candidate_ids[:, length:]
+        num_accepted, next_token = _verify(drafts, draft_scores, processed, generation_config.do_sample, generator.proposal)
+        proposed = torch.cat([drafts, next_token[:, None]], dim=-1)
+        proposed[:, num_accepted] = next_token  # device-side: position `num_accepted` holds the target's token
+        committed, eos_hit = _commit_length(proposed, num_accepted, eos).tolist()
+        committed = min(committed, generation_config.max_length - length)
+        new_tokens, stopped = _cut_at_criteria(proposed[:, :committed], input_ids, processed, per_token)
+        committed = new_tokens.shape[1]
+        done = bool(eos_hit) or stopped or length + committed >= generation_config.max_length
+        # 4. Commit: the cache keeps exactly the committed tokens but the last (recurrent states too).
+        input_ids = torch.cat([input_ids, new_tokens], dim=-1)
+        cache.crop(-(num_drafts + 1 - committed))
+        model_kwargs = _extend(model_kwargs, committed)
+        if streamer is not None:
+            streamer.put(new_tokens.cpu())
+        if scores is not None:
+            scores += tuple(processed[:, i] for i in range(committed))
+        if raw_logits is not None:
+            raw_logits += tuple(logits[:, i] for i in range(committed))
+        if hidden_states is not None:
+            hidden_states += (tuple(h[:, -num_drafts - 1 :][:, :committed] if not first else h for h in outputs.hidden_states),)
+        now = time.perf_counter()
+        stats.draft_seconds += drafted - start
+        stats.verify_seconds += now - drafted
+        if not first:
+            generator.update_candidate_strategy(input_ids, processed, committed - 1, now - start)
+        accepted, first = committed - 1, False
+        if done:
+            break
+    if streamer is not None:
+        streamer.end()
+    if not keep:
+        return input_ids
+    return DFlashGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, hidden_states=hidden_states,
+                                cache=cache, dflash_stats=stats)
+
+
+def _start(model, drafter, input_ids, generation_config, logits_processor, model_kwargs, call, stored):
+    """Checks the call before any forward and builds its candidate generator."""
+    if drafter is None:
+        raise TypeError("dflash_decode needs the drafter: generate(..., custom_generate=dflash_decode, drafter=drafter).")
+    settings = {**DEFAULTS, **(stored or {})}
+    for name, value in call.items():  # the call's own option, else the GenerationConfig's, else enable()'s
+        if value is _UNSET:
+            value = getattr(generation_config, f"dflash_{name}", _UNSET)
+        if value is not _UNSET:
+            settings[name] = value
+    check_settings(settings["proposal"], settings["verify_length"])
+    check_compatible(model, drafter)
+    unsupported = {
+        "num_beams": "beam search", "num_return_sequences": "several sequences per prompt",
+    }
+    for name, what in unsupported.items():
+        if (getattr(generation_config, name, None) or 1) > 1:
+            raise ValueError(f"DFlash does not do {what} ({name}={getattr(generation_config, name)}); drop {name} or "
+                             "the DFlash drafter.")
+    if generation_config.prompt_lookup_num_tokens is not None:
+        raise ValueError("prompt_lookup_num_tokens and a DFlash drafter are two ways of drafting; pass one of them.")
+    if generation_config.output_attentions:
+        raise ValueError("DFlash does not return attentions; drop output_attentions.")
+    if input_ids.shape[0] != 1:
+        raise ValueError(f"DFlash decodes one sequence at a time, got a batch of {input_ids.shape[0]}; call generate "
+                         "once per prompt.")
+    if input_ids.shape[1] == 0 and model_kwargs.get("inputs_embeds") is None:
+        raise ValueError("DFlash needs a prompt of at least one token (the drafter drafts from the target's context).")
+    if model_kwargs.get("cache") is None:
+        raise ValueError("DFlash needs the target's cache; drop use_cache=False.")
+    generator = DFlashCandidateGenerator(model, drafter, generation_config, logits_processor, **settings)
+    # Linear-attention and sliding-window layers keep the states of the last tokens, to roll back to.
+    model_kwargs["cache"].activate_past_recording(recurrent_states_to_keep=generator.num_drafting_tokens)
+    drafter.last_stats = generator.stats
+    return generator
+
+
+def _extend(model_kwargs: dict, num_tokens: int) -> dict:
+    """`model_kwargs` whose per-position entries cover `num_tokens` more tokens (as transformers grows them)."""
+    if num_tokens == 0:
+        return model_kwargs
+    extended = dict(model_kwargs)
+    if (mask := extended.get("attention_mask")) is not None:
+        extended["attention_mask"] = torch.cat([mask, mask.new_ones(mask.shape[0], num_tokens)], dim=-1)
+    if (positions := extended.get("position_ids")) is not None:
+        steps = torch.arange(1, num_tokens + 1, dtype=positions.dtype, device=positions.device)
+        extended["position_ids"] = torch.cat([positions, positions[..., -1:] + steps], dim=-1)
+    if (types := extended.get("token_type_ids")) is not None:
+        extended["token_type_ids"] = torch.cat([types, types[:, -1:].repeat(1, num_tokens)], dim=-1)
+    if (types := extended.get("mm_token_type_ids")) is not None:
+        extended["mm_token_type_ids"] = torch.cat([types, types.new_zeros(types.shape[0], num_tokens)], dim=-1)
+    return extended
+
+
+def _verify(drafts, draft_scores, target_scores, do_sample: bool, proposal: str):
+    """`(accepted, next_token)` as `(1,)` tensors: greedy prefix match, or lossless sampling."""
+    if not do_sample:
+        return greedy_verify(drafts, target_scores)
+    probs = target_scores.softmax(dim=-1)
+    if drafts.shape[1] == 0:  # a plain step samples exactly as plain generate does
+        return drafts.new_zeros(1), torch.multinomial(probs[:, 0], num_samples=1)[:, 0]
+    if draft_scores is None:  # "match": drafts kept while equal to independent samples of the target
+        sampled = torch.multinomial(probs[0], num_samples=1).T
+        accepted = (drafts == sampled[:, :-1]).long().cumprod(dim=-1).sum(dim=-1)
+        return accepted, sampled.gather(1, accepted[:, None])[:, 0]
+    uniform, exponential = sampling_noise(1, drafts.shape[1], probs.shape[-1], device=probs.device)
+    return rejection_verify(drafts, draft_scores.softmax(dim=-1), probs, uniform, exponential)
+
+
+def _commit_length(proposed: torch.LongTensor, num_accepted: torch.LongTensor, eos) -> torch.LongTensor:
+    """`[tokens to commit, whether the last is an EOS]` out of `proposed[:, :num_accepted + 1]`, which
+    is cut after its first EOS; on the device, so that one host sync reads both."""
+    length = num_accepted[0] + 1
+    if eos is None:
+        return torch.stack([length, torch.zeros_like(length)])
+    positions = torch.arange(proposed.shape[1], device=proposed.device)
+    hits = torch.isin(proposed[0], eos.to(proposed.device)) & (positions < length)
+    return torch.stack([torch.where(hits.any(), hits.int().argmax() + 1, length), hits.any().long()])
+
+
+def _cut_at_criteria(new_tokens, input_ids, scores, criteria: StoppingCriteriaList) -> tuple[torch.LongTensor, bool]:
+    """`new_tokens` up to the first one after which a stop string or custom criterion stops, and whether one did."""
+    if criteria:
+        for end in range(1, new_tokens.shape[1] + 1):
+            if bool(criteria(torch.cat([input_ids, new_tokens[:, :end]], dim=-1), scores[:, end - 1]).any()):
+                return new_tokens[:, :end], True
+    return new_tokens, False
+
+
+# ----------------------------------------------------------------------------------------- generate()
+def generate(model: PreTrainedModel, *args, assistant_model=None, **kwargs):
+    """`model.generate(*args, **kwargs)`, decoding with DFlash when `assistant_model` is a DFlash drafter.
+
+    Everything of `generate` applies (streamers, stop strings, stopping criteria, logits processors,
+    sampling, `return_dict_in_generate`, which then also carries `dflash_stats`); per call,
+    `dflash_verify_length=` and `dflash_proposal=` override what `enable` stored.
+    """
+    if assistant_model is None or not is_dflash_drafter(assistant_model):
+        for name in ("dflash_verify_length", "dflash_proposal"):
+            if name in kwargs:
+                raise ValueError(f"{name} applies to DFlash calls only (assistant_model=<a DFlash drafter>).")
+        return type(model).generate(model, *args, assistant_model=assistant_model, **kwargs)
+    if args:  # name positional arguments, so that they can be inspected below
+        bound = inspect.signature(GenerationMixin.generate).bind_partial(model, *args).arguments
+        kwargs.update({name: value for name, value in bound.items() if name != "self"})
+    if kwargs.get("custom_generate") is not None:
+        raise ValueError("A DFlash drafter brings its own decoding loop; drop custom_generate.")
+    kwargs.pop("assistant_tokenizer", None)  # the drafter shares the target's tokenizer; pipelines may pass it
+    _take_stop_strings(model, kwargs)
+    loop = functools.partial(
+        dflash_decode, drafter=assistant_model, streamer=kwargs.get("streamer"),
+        dflash_settings=dict(getattr(model, "__dict__", {}).get(_SETTINGS) or {}),
+    )
+    return type(model).generate(model, custom_generate=loop, **kwargs)
+
+
+def _take_stop_strings(model, kwargs: dict) -> None:
+    """transformers hands a `custom_generate` callable neither the tokenizer nor the streamer, and refuses
+    stop strings without a tokenizer: turn them into a stopping criterion here, where the tokenizer is."""
+    config = kwargs.get("generation_config")
+    stop_strings = kwargs["stop_strings"] if "stop_strings" in kwargs else (config or model.generation_config).stop_strings
+    if not stop_strings or kwargs.get("tokenizer") is None:
+        return  # without a tokenizer transformers raises its own error
+    criterion = StopStringCriteria(kwargs["tokenizer"], stop_strings)
+    kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), criterion])
+    if config is not None and "stop_strings" not in kwargs:
+        kwargs["generation_config"] = config = copy.copy(config)
+        config.stop_strings = None
+    else:
+        kwargs["stop_strings"] = None
+
+
+class _BoundGenerate:
+    """`model.generate` of an enabled model: `generate` bound through a weak reference."""
+
+    def __init__(self, model: PreTrainedModel):
+        self._model = weakref.ref(model)
+        self.__doc__ = generate.__doc__
+
+    def __call__(self, *args, **kwargs):
+        model = self._model()
+        if model is None:
+            raise ReferenceError("The model of this generate() was freed; keep a reference to it: "
+                                 "`model = dflash_hf.enable(model)`, then `model.generate(...)`.")
+        return generate(model, *args, **kwargs)
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy(model) registers the copy in `memo` before copying its __dict__ (and so us)
+        model = self._model()
+        return _BoundGenerate(memo.get(id(model), model))
+
+
+def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int | str | None = ADAPTIVE):
+    """Lets `target.generate(..., assistant_model=drafter)` (and pipelines) decode with a DFlash drafter.
+
+    Only this instance changes: its `generate` becomes `dflash_hf.generate` bound to it; calls without a
+    DFlash drafter run transformers' `generate` unchanged. Calling `enable` again replaces the settings.
+
+    Args:
+        target (`PreTrainedModel`): a causal LM (`AutoModelForCausalLM`), enabled in place and returned.
+        proposal (`str`, defaults to `"sample"`): how drafts are proposed under `do_sample=True`
+            (`"sample"`, `"argmax"` or `"match"`, see `candidate_generator.PROPOSALS`).
+        verify_length (`str` or `int`, *optional*, defaults to `"adaptive"`): drafts the target verifies per
+            step: `"adaptive"` picks it each step from acceptance and step costs seen so far in the call
+            (plain steps when drafting does not pay); `None` all `block_size - 1`; an int at most that many.
+    """
+    if is_dflash_drafter(target):
+        raise TypeError("dflash_hf.enable takes the target model, not the drafter.")
+    if not isinstance(target, PreTrainedModel) or not target.can_generate():
+        raise TypeError(f"dflash_hf.enable expects a transformers model that can generate (AutoModelForCausalLM), "
+                        f"got {type(target).__name__}.")
+    check_settings(proposal, verify_length)
+    target.__dict__[_SETTINGS] = {"proposal": proposal, "verify_length": verify_length}
+    target.generate = _BoundGenerate(target)
+    return target
+
+
+def is_enabled(target) -> bool:
+    return _SETTINGS in getattr(target, "__dict__", {})
+
+
+def dflash_settings(target) -> dict:
+    """The settings `enable` stored on `target` (a copy)."""
+    if not is_enabled(target):
+        raise ValueError("call dflash_hf.enable(target) first")
+    return dict(target.__dict__[_SETTINGS])
+
+
+__all__ = ["DFlashGenerateOutput", "DFlashDraftModel", "dflash_decode", "enable", "generate", "is_enabled"]
