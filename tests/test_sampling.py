@@ -13,7 +13,7 @@ from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogit
 
 import dflash_hf
 from dflash_hf.generation import decoding
-from dflash_hf.generation.verification import rejection_verify, sampling_noise
+from dflash_hf.generation.decoding import rejection_verify, sampling_noise
 from tiny import OracleDrafter, drafter, qwen3_target
 
 ALPHA = 1e-4

@@ -1,6 +1,5 @@
 from .candidate_generator import DFlashCandidateGenerator
-from .decoding import DFlashGenerateOutput, dflash_decode, enable, generate, is_enabled
-from .stats import DFlashStats
+from .decoding import DFlashGenerateOutput, DFlashStats, dflash_decode, enable, generate, is_enabled
 
 __all__ = ["DFlashCandidateGenerator", "DFlashGenerateOutput", "DFlashStats", "dflash_decode", "enable", "generate",
            "is_enabled"]

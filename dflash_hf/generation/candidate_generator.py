@@ -15,9 +15,8 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
-from ..targets import apply_softcap, logit_softcap
+from ..targets import logit_softcap
 from .policy import AdaptiveVerifyLength
-from .stats import DFlashStats
 
 # How drafts are proposed under `do_sample=True` (all three are lossless):
 # - "sample": a draw from the drafter's q; rejection sampling accepts it with prob min(1, p(d) / q(d)).
@@ -80,7 +79,6 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         self.policy = AdaptiveVerifyLength(self.max_drafts) if verify_length == ADAPTIVE and self.max_drafts else None
         if generation_config.output_hidden_states:  # the caller asked for every layer
             self.model_kwargs_overrides = {"output_hidden_states": True}
-        self.stats = DFlashStats()
         # Context features of committed tokens the drafter has not ingested (plain steps skip it).
         self.pending_context: list[torch.Tensor] = []
         self.block_in_cache = False  # the last drafter forward left its block's keys/values in the cache
@@ -121,7 +119,9 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         self.num_drafts = limit
         hidden = self._draft_block(input_ids, model_kwargs)[:, 1 : 1 + limit]
         head = self.main_model_output_embeddings
-        logits = apply_softcap(head(hidden.to(head.weight.device, head.weight.dtype)), self.softcap).float()
+        logits = head(hidden.to(head.weight.device, head.weight.dtype)).float()
+        if self.softcap is not None:  # Gemma caps its logits; the drafts' must match to sample alike
+            logits = torch.tanh(logits / self.softcap) * self.softcap
         drafts, scores = self._propose(input_ids, logits.to(input_ids.device))
         return torch.cat([input_ids, drafts], dim=-1), scores
 
@@ -192,10 +192,8 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores, num_matches: int, seconds: float = 0.0):
         """After each target forward but the prefill: `num_matches` drafts were committed, the step
         (drafting and verifying) took `seconds`."""
-        accepted = int(num_matches)
         if self.policy is not None:
-            self.policy.observe(self.num_drafts, accepted, seconds)
-        self.stats.record(self.num_drafts, accepted)
+            self.policy.observe(self.num_drafts, int(num_matches), seconds)
 
 
 __all__ = ["ADAPTIVE", "DFlashCandidateGenerator", "PROPOSALS", "check_settings"]

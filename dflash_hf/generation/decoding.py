@@ -20,22 +20,84 @@ import functools
 import inspect
 import time
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StopStringCriteria
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
-from ..modeling_dflash import DFlashDraftModel
 from ..targets import check_compatible, is_dflash_drafter
 from .candidate_generator import ADAPTIVE, DFlashCandidateGenerator, check_settings
-from .stats import DFlashStats
-from .verification import greedy_verify, rejection_verify, sampling_noise
 
 _SETTINGS = "_dflash_settings"  # where enable() keeps its options, in the instance's __dict__
 DEFAULTS = {"proposal": "sample", "verify_length": ADAPTIVE}
 _UNSET = object()
+
+
+@dataclass
+class DFlashStats:
+    """Counters of one generate call (each call has its own).
+
+    `acceptance_lengths` has one entry per verification forward of the target (the prefill forward
+    is not counted, as in the reference implementation): drafts accepted plus the one token the
+    target adds itself. Its mean is tau, the tokens committed per target forward.
+    """
+
+    acceptance_lengths: list[int] = field(default_factory=list)
+    # drafts handed to the target at each of those forwards (0: a plain step, the drafter did not run)
+    verify_lengths: list[int] = field(default_factory=list)
+    drafted_tokens: int = 0  # drafts handed to the target for verification
+    accepted_tokens: int = 0  # of those, drafts the target committed
+    draft_seconds: float = 0.0  # in the drafter (context ingestion + block forward + lm_head + proposal)
+    verify_seconds: float = 0.0  # in the target's forwards and acceptance, prefill included
+
+    def record(self, num_drafts: int, num_accepted: int) -> None:
+        """One verification forward: `num_drafts` drafts handed over, the first `num_accepted` committed."""
+        self.verify_lengths.append(num_drafts)
+        self.acceptance_lengths.append(num_accepted + 1)
+        self.drafted_tokens += num_drafts
+        self.accepted_tokens += num_accepted
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        """tau: tokens committed per verification forward (0.0 before any)."""
+        if not self.acceptance_lengths:
+            return 0.0
+        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
+
+    @property
+    def plain_steps(self) -> int:
+        """Verification forwards that verified no draft (the adaptive policy found drafting did not pay)."""
+        return sum(1 for n in self.verify_lengths if n == 0)
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Fraction of drafted tokens that were committed."""
+        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
+
+    @property
+    def num_target_forwards(self) -> int:
+        """Verification forwards plus the prefill."""
+        return len(self.acceptance_lengths) + 1
+
+    @property
+    def committed_tokens(self) -> int:
+        return sum(self.acceptance_lengths)
+
+    def as_dict(self) -> dict:
+        return {
+            "acceptance_lengths": list(self.acceptance_lengths),
+            "verify_lengths": list(self.verify_lengths),
+            "mean_acceptance_length": self.mean_acceptance_length,
+            "acceptance_rate": self.acceptance_rate,
+            "num_target_forwards": self.num_target_forwards,
+            "drafted_tokens": self.drafted_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "draft_seconds": self.draft_seconds,
+            "verify_seconds": self.verify_seconds,
+            "plain_steps": self.plain_steps,
+        }
 
 
 @dataclass
@@ -69,7 +131,8 @@ def dflash_decode(
     """
     generator = _start(model, drafter, input_ids, generation_config, logits_processor, model_kwargs,
                        {"verify_length": dflash_verify_length, "proposal": dflash_proposal}, dflash_settings)
-    stats, cache = generator.stats, model_kwargs["cache"]
+    stats, cache = DFlashStats(), model_kwargs["cache"]
+    drafter.last_stats = stats
     eos = next((c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)), None)
     # Stop strings and custom criteria are checked after every committed token, like plain generate.
     per_token = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
@@ -126,6 +189,7 @@ def dflash_decode(
         stats.draft_seconds += drafted - start
         stats.verify_seconds += now - drafted
         if not first:
+            stats.record(num_drafts, committed - 1)
             generator.update_candidate_strategy(input_ids, processed, committed - 1, now - start)
         accepted, first = committed - 1, False
         if done:
@@ -171,7 +235,6 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
     generator = DFlashCandidateGenerator(model, drafter, generation_config, logits_processor, **settings)
     # Linear-attention and sliding-window layers keep the states of the last tokens, to roll back to.
     model_kwargs["cache"].activate_past_recording(recurrent_states_to_keep=generator.num_drafting_tokens)
-    drafter.last_stats = generator.stats
     return generator
 
 
@@ -190,6 +253,72 @@ def _extend(model_kwargs: dict, num_tokens: int) -> dict:
     if (types := extended.get("mm_token_type_ids")) is not None:
         extended["mm_token_type_ids"] = torch.cat([types, types.new_zeros(types.shape[0], num_tokens)], dim=-1)
     return extended
+
+
+# --------------------------------------------------------------------------------- accept rules
+def greedy_verify(draft_ids: torch.LongTensor, target_logits: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Accept drafts while they equal the target's argmax; the target's argmax at the first
+    mismatch (or after the last draft) is the extra token.
+
+    Args:
+        draft_ids (`torch.LongTensor` of shape `(batch, k)`): drafted tokens.
+        target_logits (`torch.Tensor` of shape `(batch, k + 1, vocab)`): the target's (processed)
+            scores at the anchor and at every draft.
+    Returns:
+        `accepted` (`(batch,)`, 0..k) and `next_token` (`(batch,)`).
+    """
+    target_ids = target_logits.argmax(dim=-1)
+    accepted = (draft_ids == target_ids[:, :-1]).long().cumprod(dim=-1).sum(dim=-1)
+    next_token = target_ids.gather(1, accepted[:, None]).squeeze(1)
+    return accepted, next_token
+
+
+def rejection_verify(
+    draft_ids: torch.LongTensor,
+    draft_probs: torch.Tensor,
+    target_probs: torch.Tensor,
+    uniform: torch.Tensor,
+    exponential: torch.Tensor,
+) -> tuple[torch.LongTensor, torch.LongTensor]:
+    """Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023): the committed
+    tokens are distributed exactly as if sampled from the target one by one.
+
+    Rule: accept draft i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection j
+    sample from normalize(max(p_j - q_j, 0)); if all k are accepted, sample from p_k.
+
+    Args:
+        draft_ids (`(batch, k)`): drafts, each drawn from `draft_probs` (a one-hot q is fine).
+        draft_probs (`(batch, k, vocab)`): q, the distributions the drafts were drawn from.
+        target_probs (`(batch, k + 1, vocab)`): p, the target's distributions after the same processing.
+        uniform (`(batch, k)`): U[0, 1) draws for the accept tests.
+        exponential (`(batch, vocab)`): Exp(1) draws; `argmax(r / exponential)` samples from r
+            (the exponential race), so the residual needs no normalisation.
+    Returns:
+        `accepted` (`(batch,)`, 0..k) and `next_token` (`(batch,)`).
+    """
+    batch, k = draft_ids.shape
+    p_draft = target_probs[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)
+    q_draft = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)
+    # u < p/q, written without the division (q > 0 for a drawn draft; p = 0 always rejects)
+    is_accepted = uniform * q_draft < p_draft
+    accepted = is_accepted.long().cumprod(dim=-1).sum(dim=-1)
+
+    index = accepted[:, None, None].expand(batch, 1, target_probs.shape[-1])
+    p_next = target_probs.gather(1, index).squeeze(1)
+    # Past the last draft there is no q: the residual is p itself.
+    q_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)
+    residual = (p_next - q_padded.gather(1, index).squeeze(1)).clamp_min(0)
+    # p == q to rounding leaves no residual; the rejection then had probability ~0, p is the limit.
+    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
+    next_token = (residual / exponential).argmax(dim=-1)
+    return accepted, next_token
+
+
+def sampling_noise(batch: int, k: int, vocab: int, device=None, generator: torch.Generator | None = None):
+    """The random draws `rejection_verify` consumes, from torch's RNG (seeded by torch.manual_seed)."""
+    uniform = torch.rand(batch, k, device=device, generator=generator)
+    exponential = torch.empty(batch, vocab, device=device).exponential_(generator=generator)
+    return uniform, exponential
 
 
 def _verify(drafts, draft_scores, target_scores, do_sample: bool, proposal: str):
@@ -326,4 +455,13 @@ def dflash_settings(target) -> dict:
     return dict(target.__dict__[_SETTINGS])
 
 
-__all__ = ["DFlashGenerateOutput", "DFlashDraftModel", "dflash_decode", "enable", "generate", "is_enabled"]
+__all__ = [
+    "DFlashGenerateOutput",
+    "DFlashStats",
+    "dflash_decode",
+    "enable",
+    "generate",
+    "greedy_verify",
+    "is_enabled",
+    "rejection_verify",
+]
