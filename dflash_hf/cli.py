@@ -43,6 +43,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-after-steps", type=int, default=None,
                         help="end this session at that step (resume later with the same arguments)")
     parser.add_argument("--learning-rate", type=float, default=6e-4)
+    parser.add_argument("--lr-scheduler-type", default="cosine",
+                        help="a transformers scheduler name, e.g. cosine, constant_with_warmup (for runs that resume)")
     parser.add_argument("--warmup-ratio", type=float, default=0.04)
     parser.add_argument("--batch-size", type=int, default=4)
     parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
@@ -50,6 +52,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-length", type=int, default=2048)
     parser.add_argument("--gamma", type=float, default=None)
     parser.add_argument("--lm-head-chunk", type=int, default=2048)
+    parser.add_argument("--restrict-vocab", action="store_true",
+                        help="train the cross-entropy over the tokens the responses use (faster on a CPU)")
     parser.add_argument("--checkpoint-every", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
@@ -97,6 +101,7 @@ def run_train(args: argparse.Namespace) -> int:
         max_steps=args.max_steps,
         stop_after_steps=args.stop_after_steps,
         learning_rate=args.learning_rate,
+        lr_scheduler_type=args.lr_scheduler_type,
         warmup_ratio=args.warmup_ratio,
         batch_size=args.batch_size,
         gradient_accumulation_steps=args.gradient_accumulation_steps,
@@ -104,6 +109,7 @@ def run_train(args: argparse.Namespace) -> int:
         max_length=args.max_length,
         gamma=args.gamma,
         lm_head_chunk=args.lm_head_chunk,
+        restrict_vocab=args.restrict_vocab,
         checkpoint_every=args.checkpoint_every,
         log_every=args.log_every,
         mixed_precision=args.mixed_precision,

@@ -298,8 +298,12 @@ def dflash_loss(
     generator: torch.Generator | None = None,
     chunk_size: int = 2048,
     softcap: float | None = None,
+    label_map: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """The weighted DFlash block loss of one right-padded batch.
+
+    `label_map [vocab]`: when `lm_head_weight` holds only some rows of the lm_head, the row of each
+    token id (-1 for tokens that are never labels); the softmax then runs over those rows only.
 
     `target_hidden [b, L, n * h]`: the target's features at `target_layer_ids` for every position.
     Only slots with a label go through the lm_head (the frozen full-vocab matmul dominates the cost).
@@ -324,8 +328,11 @@ def dflash_loss(
     keep = labels != IGNORE
     w = slot_weights(block_size, gamma).to(device)[slot[keep]]
     selected = hidden[keep]
+    targets = labels[keep] if label_map is None else label_map[labels[keep]]
+    if bool((targets < 0).any()):
+        raise ValueError("A label is missing from `label_map`: build it from the same examples.")
     total, correct = chunked_linear_cross_entropy(
-        selected, lm_head_weight.to(device), labels[keep], w, chunk_size, softcap
+        selected, lm_head_weight.to(device), targets, w, chunk_size, softcap
     )
     weight_sum = w.sum()
     loss = total / weight_sum.clamp(min=1e-6)

@@ -44,6 +44,8 @@ class TrainConfig:
     stop_after_steps: int | None = None  # end this session at that global step; the schedule is unchanged,
     # so a later `resume=True` run continues exactly as if never interrupted
     learning_rate: float = 6e-4
+    lr_scheduler_type: str = "cosine"  # any `transformers.get_scheduler` name; "constant_with_warmup" suits
+    # a run that is resumed and extended across sessions (a cosine to zero wastes a short run)
     warmup_ratio: float = 0.04
     weight_decay: float = 0.0
     max_grad_norm: float = 1.0
@@ -53,6 +55,8 @@ class TrainConfig:
     max_length: int = 2048
     gamma: float | None = None  # default: 7 for block 16, 4 for block 8
     lm_head_chunk: int = 2048  # rows of the frozen lm_head matmul computed at once
+    restrict_vocab: bool = False  # cross-entropy over the tokens the training labels use, not the whole
+    # vocabulary: the frozen lm_head matmul is most of a CPU step; inference still uses the full lm_head
     precompute_features: bool | None = None  # None: precompute when training in one process
     feature_dtype: str = "bfloat16"
     mixed_precision: str = "no"
@@ -87,14 +91,15 @@ class EpochSampler(torch.utils.data.Sampler):
         return self.size
 
 
-def lr_lambda(total_steps: int, warmup_steps: int):
-    def schedule(step: int) -> float:
-        if step < warmup_steps:
-            return (step + 1) / max(1, warmup_steps)
-        progress = (step - warmup_steps) / max(1, total_steps - warmup_steps)
-        return 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
-
-    return schedule
+def label_vocabulary(examples: list[dict], vocab_size: int) -> torch.Tensor:
+    """`[vocab_size]` map from token id to its row in the restricted lm_head (-1: never a label)."""
+    used = torch.zeros(vocab_size, dtype=torch.bool)
+    for example in examples:
+        ids = torch.tensor(example["input_ids"])
+        used[ids[torch.tensor(example["loss_mask"], dtype=torch.bool)]] = True
+    label_map = torch.full((vocab_size,), -1, dtype=torch.long)
+    label_map[used] = torch.arange(int(used.sum()))
+    return label_map
 
 
 def latest_checkpoint(output_dir: str | os.PathLike) -> Path | None:
@@ -160,6 +165,7 @@ def train_drafter(
     from accelerate import Accelerator
     from accelerate.utils import set_seed
     from tqdm.auto import tqdm
+    from transformers import get_scheduler
 
     if accelerator is None:
         accelerator = Accelerator(
@@ -209,8 +215,9 @@ def train_drafter(
         total_steps = min(total_steps, config.max_steps)
     warmup = int(round(config.warmup_ratio * total_steps))
     # accelerate steps a prepared scheduler once per process at each optimizer step.
-    scheduler = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lr_lambda(total_steps * accelerator.num_processes, warmup * accelerator.num_processes)
+    scheduler = get_scheduler(
+        config.lr_scheduler_type, optimizer, num_warmup_steps=warmup * accelerator.num_processes,
+        num_training_steps=total_steps * accelerator.num_processes,
     )
     block_size = drafter.config.block_size
     model, optimizer, loader, scheduler = accelerator.prepare(BlockTrainingModule(drafter), optimizer, loader, scheduler)
@@ -224,6 +231,11 @@ def train_drafter(
 
     embed_tokens = target.get_input_embeddings()
     lm_head_weight = target.get_output_embeddings().weight
+    label_map = None
+    if config.restrict_vocab:
+        label_map = label_vocabulary(dataset.examples, lm_head_weight.shape[0])
+        lm_head_weight = lm_head_weight.detach()[label_map >= 0].to(device)
+        label_map = label_map.to(device)
     softcap = logit_softcap(target)
     metrics, epoch_metrics = Metrics(block_size), Metrics(block_size)
     last_epoch_summary = None
@@ -274,7 +286,7 @@ def train_drafter(
                 out = dflash_loss(
                     model, embed_tokens, lm_head_weight, features, batch["input_ids"], batch["loss_mask"],
                     batch["lengths"], max_anchors=config.max_anchors, gamma=config.gamma, generator=generator,
-                    chunk_size=config.lm_head_chunk, softcap=softcap,
+                    chunk_size=config.lm_head_chunk, softcap=softcap, label_map=label_map,
                 )
                 accelerator.backward(out["loss"])
                 if accelerator.sync_gradients and config.max_grad_norm:
