@@ -114,7 +114,7 @@ def test_block_forward_equals_drafter_forward_per_block(sliding):
 
 def test_training_learns_pattern(tmp_path):
     target = tiny.qwen3_target()
-    cfg = small_config(tmp_path, epochs=12, num_draft_layers=2)
+    cfg = small_config(tmp_path, epochs=16, num_draft_layers=2)
     drafter, result = train_drafter(target, pattern_examples(), cfg, save=False, checkpoints=False)
     history = result["history"]
     first = sum(h["loss"] for h in history[:3]) / 3
@@ -123,7 +123,47 @@ def test_training_learns_pattern(tmp_path):
     assert last < 0.85 * first
     assert history[0]["accuracy"] < 0.2
     assert result["final"]["accuracy"] > 0.8
-    assert result["global_step"] == 12 * 6
+    assert result["global_step"] == 16 * 6
+
+
+def _full_vocab_accuracy(target, drafter, examples):
+    batch = tdata.collate(examples)
+    feats = tdata.target_layer_features(target, batch["input_ids"], batch["attention_mask"],
+                                        drafter.config.target_layer_ids)
+    with torch.no_grad():
+        out = objective.dflash_loss(
+            drafter, target.get_input_embeddings(), target.get_output_embeddings().weight, feats,
+            batch["input_ids"], batch["loss_mask"], batch["lengths"], max_anchors=64,
+        )
+    return float(out["correct"].sum() / out["count"].sum())
+
+
+def test_restricted_vocabulary_trains_a_drafter_for_the_full_lm_head(tmp_path):
+    """The pattern's labels use 20 of the 64 tokens; the softmax over those 20 during training must
+    still give a drafter whose argmax over the whole vocabulary is right (what decoding uses)."""
+    target = tiny.qwen3_target()
+    examples = pattern_examples()
+    cfg = small_config(tmp_path, epochs=16, num_draft_layers=2, restrict_vocab=True)
+    drafter, result = train_drafter(target, examples, cfg, save=False, checkpoints=False)
+    assert result["final"]["accuracy"] > 0.8
+    assert _full_vocab_accuracy(target, drafter, examples) > 0.8
+    untrained = tiny.drafter(block_size=4, num_layers=2)
+    assert _full_vocab_accuracy(target, untrained, examples) < 0.2
+
+
+def test_label_vocabulary_maps_each_label_to_one_row():
+    from dflash_hf.training.trainer import label_vocabulary
+
+    label_map = label_vocabulary([{"input_ids": [5, 9, 7, 9], "loss_mask": [0, 1, 1, 1]}], tiny.VOCAB)
+    assert label_map.tolist()[:12] == [-1] * 7 + [0, -1, 1, -1, -1] and (label_map[12:] == -1).all()  # 5 is in the prompt only: not a label
+    drafter = tiny.drafter(block_size=2)
+    hidden = drafter.config.hidden_size
+    features = torch.zeros(1, 4, hidden * len(drafter.config.target_layer_ids))
+    with pytest.raises(ValueError, match="label_map"):  # label 8 has no row
+        objective.dflash_loss(
+            drafter, torch.nn.Embedding(tiny.VOCAB, hidden), torch.randn(2, hidden), features,
+            torch.tensor([[5, 9, 8, 9]]), torch.tensor([[1, 1, 1, 1]]), torch.tensor([4]), label_map=label_map,
+        )
 
 
 def test_resume_restores_step_and_optimizer(tmp_path):

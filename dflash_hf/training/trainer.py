@@ -234,8 +234,8 @@ def train_drafter(
     label_map = None
     if config.restrict_vocab:
         label_map = label_vocabulary(dataset.examples, lm_head_weight.shape[0])
-        lm_head_weight = lm_head_weight.detach()[label_map >= 0].to(device)
-        label_map = label_map.to(device)
+        lm_head_weight = lm_head_weight.detach()[label_map >= 0].to(accelerator.device)
+        label_map = label_map.to(accelerator.device)
     softcap = logit_softcap(target)
     metrics, epoch_metrics = Metrics(block_size), Metrics(block_size)
     last_epoch_summary = None
