@@ -1,14 +1,11 @@
 import os
 import sys
-import tempfile
 
 import torch
 
 # Tests never reach the Hub: every model is built in-process (tests/tiny.py) or read from tmp folders.
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 sys.path.insert(0, os.path.dirname(__file__))
-# The adaptive verify length measures a hardware profile per model pair: keep those out of the user's cache.
-os.environ.setdefault("DFLASH_HF_PROFILE_DIR", tempfile.mkdtemp(prefix="dflash-hf-profiles-"))
 # The Triton kernels run in Triton's CPU interpreter here. `@triton.jit` reads this when the kernel
 # module is first imported, and that module stays cached, so it is set once for the whole session;
 # the loader tests that need "no interpreter" change it around the loader's decision only.
