@@ -103,16 +103,13 @@ def _dequantize() -> dict:
 
 
 def _drop_quantizer(model) -> None:
-    """The weights are plain float tensors now; forget the GGUF origin so the model saves as safetensors."""
+    """The weights are plain float tensors now; forget the GGUF origin so the model saves as safetensors
+    (the quantizer's own `remove_quantization_config`, what `model.dequantize()` ends with)."""
     packed = [name for name, module in model.named_modules() if "gguf" in type(module).__name__.lower()]
     if packed:
         raise RuntimeError(f"GGUF weights stayed packed in {packed[:3]}...; cannot convert to safetensors.")
-    model.hf_quantizer = None
-    for attr in ("is_quantized", "quantization_method"):
-        if attr in model.__dict__:
-            del model.__dict__[attr]
-    if hasattr(model.config, "quantization_config"):
-        del model.config.quantization_config
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer.remove_quantization_config(model)
 
 
 def load_smollm2(dtype: str = "float32", device: str | None = None):
