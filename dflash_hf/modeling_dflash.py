@@ -414,6 +414,18 @@ class DFlashDraftModel(DFlashPreTrainedModel):
                 masks["sliding_attention"] = _to_additive(allowed if padding is None else allowed & padding, dtype)
         return masks
 
+    def _prepared_masks(self, attention_mask, dtype) -> dict[str, torch.Tensor]:
+        """Per layer type additive 4-D masks from the caller's 4-D mask (or dict of them)."""
+        if self.config._attn_implementation not in ("sdpa", "eager"):
+            raise ValueError("4-D attention masks need attn_implementation='sdpa' or 'eager' in the drafter.")
+        if not isinstance(attention_mask, dict):
+            attention_mask = dict.fromkeys(self.config.layer_types, attention_mask)
+        missing = set(self.config.layer_types) - set(attention_mask)
+        if missing:
+            raise ValueError(f"attention_mask has no mask for the {sorted(missing)} layers of this drafter.")
+        return {kind: _to_additive(mask, dtype) if mask.dtype == torch.bool else mask.to(dtype)
+                for kind, mask in attention_mask.items()}
+
     def forward(
         self,
         noise_embeds: torch.Tensor,
@@ -436,7 +448,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
             position_ids (`torch.LongTensor` of shape `(batch, ctx_len + block_size)`):
                 Absolute positions of those context tokens followed by the block's.
             attention_mask (`torch.Tensor` of shape `(batch, cached_len + ctx_len + block_size)`, *optional*):
-                1 for real tokens, 0 for padding, over every key the block attends to.
+                1 for real tokens, 0 for padding, over every key the block attends to. Or prepared
+                `(batch, 1, q_len, kv_len)` masks (boolean: may attend; or additive), one tensor or a dict
+                per layer type (`"full_attention"`, `"sliding_attention"`): training runs many blocks
+                in one forward this way, each under its own block mask.
             cache (`Cache`, *optional*):
                 The drafter's cache of committed context. The block's keys/values are appended too;
                 crop them off (`crop(-block_size)`) before the next step.
@@ -449,7 +464,10 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         hidden_states = noise_embeds.to(context.dtype)
         cached_len = cache.get_seq_length() if cache is not None else 0
         kv_len = cached_len + context.shape[1] + q_len
-        masks = self._attention_masks(attention_mask, q_len, kv_len, hidden_states.device, hidden_states.dtype)
+        if isinstance(attention_mask, dict) or (attention_mask is not None and attention_mask.ndim == 4):
+            masks = self._prepared_masks(attention_mask, hidden_states.dtype)
+        else:
+            masks = self._attention_masks(attention_mask, q_len, kv_len, hidden_states.device, hidden_states.dtype)
         position_embeddings = self.rotary_emb(hidden_states, position_ids)
         for layer in self.layers:
             hidden_states = layer(

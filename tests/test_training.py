@@ -280,3 +280,12 @@ def test_precomputed_features_are_cached_on_disk(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(first.features, again.features))
     with pytest.raises(AssertionError, match="read from the cache"):  # other layers: other features
         tdata.DFlashDataset(examples).precompute_features(target, [0, 3], cache_dir=tmp_path, progress=False)
+
+
+def test_block_masks_must_cover_every_layer_type():
+    drafter = tiny.drafter(block_size=4, layer_types=["sliding_attention", "full_attention"], sliding_window=6)
+    anchors = torch.tensor([[3]])
+    mask = objective.block_attention_allowed(anchors, 8, 4)
+    with pytest.raises(ValueError, match="sliding_attention"):
+        drafter(torch.zeros(1, 4, tiny.HIDDEN), torch.zeros(1, 8, 2 * tiny.HIDDEN), torch.arange(12)[None],
+                attention_mask={"full_attention": mask})

@@ -12,7 +12,7 @@ For one sequence of `L` tokens with a loss mask (1 on response tokens):
   of the slots that have a label.
 
 All blocks of a batch go through the drafter in one forward: queries `[b, A * B]`, keys
-`[context (L) ; blocks (A * B)]`, with the additive mask built by `block_attention_mask`.
+`[context (L) ; blocks (A * B)]`: the drafter's own forward under the mask `block_attention_allowed` builds.
 """
 
 from __future__ import annotations
@@ -138,78 +138,27 @@ def context_allowed(anchors: torch.Tensor, context_len: int, block_size: int, sl
     return allowed[:, None]
 
 
-def _block_attention(attn, hidden_states, context, cos, sin, context_mask, causal_in_block: bool):
-    """`DFlashAttention` over all blocks at once without the `[A*B, A*B]` block-to-block scores.
-
-    Blocks never see each other, so the scores are computed as context `[Q, L]` (masked) plus
-    block-diagonal `[A, B, B]`, softmaxed together: O(Q * (L + B)) instead of O(Q * (L + Q)).
-    """
-    from transformers.models.qwen3.modeling_qwen3 import apply_rotary_pos_emb, repeat_kv
-
-    block_size = attn.config.block_size
-    bsz, q_len = hidden_states.shape[:2]
-    context_len = context.shape[1]
-    num_blocks = q_len // block_size
-    head_dim = attn.head_dim
-    query = attn.q_norm(attn.q_proj(hidden_states).view(bsz, q_len, -1, head_dim)).transpose(1, 2)
-    kv_input = torch.cat([context, hidden_states], dim=1)
-    key = attn.k_norm(attn.k_proj(kv_input).view(bsz, kv_input.shape[1], -1, head_dim)).transpose(1, 2)
-    value = attn.v_proj(kv_input).view(bsz, kv_input.shape[1], -1, head_dim).transpose(1, 2)
-    query, _ = apply_rotary_pos_emb(query, query, cos[:, context_len:], sin[:, context_len:])
-    key, _ = apply_rotary_pos_emb(key, key, cos, sin)
-    key = repeat_kv(key, attn.num_key_value_groups)
-    value = repeat_kv(value, attn.num_key_value_groups)
-    heads = query.shape[1]
-    key_ctx, key_blk = key[:, :, :context_len], key[:, :, context_len:]
-    value_ctx, value_blk = value[:, :, :context_len], value[:, :, context_len:]
-    scores_ctx = (query @ key_ctx.transpose(-1, -2)) * attn.scaling  # [b, H, Q, L]
-    scores_ctx = scores_ctx.masked_fill(~context_mask, torch.finfo(scores_ctx.dtype).min)
-    q_blocks = query.view(bsz, heads, num_blocks, block_size, head_dim)
-    k_blocks = key_blk.reshape(bsz, heads, num_blocks, block_size, head_dim)
-    scores_blk = (q_blocks @ k_blocks.transpose(-1, -2)) * attn.scaling  # [b, H, A, B, B]
-    if causal_in_block:
-        causal = torch.ones(block_size, block_size, dtype=torch.bool, device=query.device).tril()
-        scores_blk = scores_blk.masked_fill(~causal, torch.finfo(scores_blk.dtype).min)
-    scores = torch.cat([scores_ctx, scores_blk.reshape(bsz, heads, q_len, block_size)], dim=-1)
-    probs = torch.softmax(scores.float(), dim=-1).to(query.dtype)
-    out = probs[..., :context_len] @ value_ctx
-    v_blocks = value_blk.reshape(bsz, heads, num_blocks, block_size, head_dim)
-    out = out + (probs[..., context_len:].reshape(bsz, heads, num_blocks, block_size, block_size) @ v_blocks).reshape(
-        bsz, heads, q_len, head_dim
-    )
-    return attn.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
-
-
 def drafter_block_forward(
     drafter, block_embeds: torch.Tensor, target_hidden: torch.Tensor, anchors: torch.Tensor, block_positions: torch.Tensor
 ) -> torch.Tensor:
-    """The drafter's forward over all blocks at once, under the training block mask.
+    """The drafter's own forward over all blocks at once, under the training block mask.
 
-    Same computation as `DFlashDraftModel.forward` (fc + hidden_norm on the context, rotary positions
-    `[0..L-1 ; block positions]`, the layers, the final norm), with each block's queries restricted to
-    the context before its anchor and its own block (`block_attention_allowed`).
+    Keys are `[context (L) ; blocks (A * B)]` at rotary positions `[0..L-1 ; block positions]`; each
+    block's queries see the context before its anchor and their own block (`block_attention_allowed`),
+    as if each block were drafted alone after its anchor.
     """
     model = _unwrap(drafter)
     config = model.config
-    context = model.hidden_norm(model.fc(target_hidden.to(model.fc.weight.dtype)))
-    hidden_states = block_embeds.to(context.dtype)
-    batch, context_len = context.shape[:2]
-    context_positions = torch.arange(context_len, device=context.device)[None].expand(batch, -1)
-    position_ids = torch.cat([context_positions, block_positions.to(context.device)], dim=1)
-    anchors = anchors.to(context.device)
-    masks = {"full_attention": context_allowed(anchors, context_len, config.block_size)}
+    batch, context_len = target_hidden.shape[:2]
+    anchors = anchors.to(target_hidden.device)
+    context_positions = torch.arange(context_len, device=target_hidden.device)[None].expand(batch, -1)
+    position_ids = torch.cat([context_positions, block_positions.to(target_hidden.device)], dim=1)
+    masks = {"full_attention": block_attention_allowed(anchors, context_len, config.block_size)}
     if "sliding_attention" in config.layer_types:
-        masks["sliding_attention"] = context_allowed(anchors, context_len, config.block_size, config.sliding_window)
-    cos, sin = model.rotary_emb(hidden_states, position_ids)
-    for layer in model.layers:
-        sliding = layer.attention_type == "sliding_attention"
-        residual = hidden_states
-        attended = _block_attention(
-            layer.self_attn, layer.input_layernorm(hidden_states), context, cos, sin, masks[layer.attention_type], sliding
-        )
-        hidden_states = residual + attended
-        hidden_states = hidden_states + layer.mlp(layer.post_attention_layernorm(hidden_states))
-    return model.norm(hidden_states)
+        masks["sliding_attention"] = block_attention_allowed(anchors, context_len, config.block_size, config.sliding_window)
+    output = model(noise_embeds=block_embeds, context_hidden_states=target_hidden, position_ids=position_ids,
+                   attention_mask=masks)
+    return output.last_hidden_state
 
 
 class BlockTrainingModule(nn.Module):
