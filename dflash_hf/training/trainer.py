@@ -30,42 +30,59 @@ CHECKPOINTS = "checkpoints"
 STATE_FILE = "trainer_state.json"
 
 
+def _arg(default, help: str, **kwargs):
+    """A dataclass field whose help text `HfArgumentParser` shows in `dflash-hf train --help`."""
+    if isinstance(default, (list, dict)):
+        return field(default_factory=lambda: type(default)(default), metadata={"help": help}, **kwargs)
+    return field(default=default, metadata={"help": help}, **kwargs)
+
+
 @dataclass
 class TrainConfig:
-    """Hyper-parameters (published recipe defaults: lr 6e-4, warmup 4%, clip 1.0, 6 epochs)."""
+    """Hyper-parameters (published recipe defaults: lr 6e-4, warmup 4%, clip 1.0, 6 epochs).
 
-    output_dir: str = "dflash-drafter"
-    block_size: int = 16
-    num_draft_layers: int = 5
-    target_layer_ids: list[int] | None = None  # default: the z-lab spread over the target's layers
-    mask_token_id: int | None = None
-    epochs: float = 6.0
-    max_steps: int | None = None  # cap on the total optimizer steps (the lr schedule follows it)
-    stop_after_steps: int | None = None  # end this session at that global step; the schedule is unchanged,
-    # so a later `resume=True` run continues exactly as if never interrupted
-    learning_rate: float = 6e-4
-    lr_scheduler_type: str = "cosine"  # any `transformers.get_scheduler` name; "constant_with_warmup" suits
-    # a run that is resumed and extended across sessions (a cosine to zero wastes a short run)
-    warmup_ratio: float = 0.04
-    weight_decay: float = 0.0
-    max_grad_norm: float = 1.0
-    batch_size: int = 4
-    gradient_accumulation_steps: int = 1
-    max_anchors: int = 512
-    max_length: int = 2048
-    gamma: float | None = None  # default: 7 for block 16, 4 for block 8
-    lm_head_chunk: int = 2048  # rows of the frozen lm_head matmul computed at once
-    restrict_vocab: bool = False  # cross-entropy over the tokens the training labels use, not the whole
-    # vocabulary: the frozen lm_head matmul is most of a CPU step; inference still uses the full lm_head
-    precompute_features: bool | None = None  # None: precompute when training in one process
-    feature_dtype: str = "bfloat16"
-    mixed_precision: str = "no"
-    seed: int = 0
-    checkpoint_every: int = 0  # optimizer steps between checkpoints; 0: only at the end of each epoch
-    keep_checkpoints: int = 2
-    log_every: int = 10
-    progress: bool = True
-    drafter_config_overrides: dict = field(default_factory=dict)
+    `dflash-hf train` exposes every field as an option (`transformers.HfArgumentParser`)."""
+
+    output_dir: str = _arg("dflash-drafter", "drafter folder; checkpoints and data are kept inside")
+    block_size: int = _arg(16, "tokens per drafted block (anchor + block_size - 1 drafts)")
+    num_draft_layers: int = _arg(5, "decoder layers of the drafter")
+    target_layer_ids: list[int] | None = _arg(None, "target layers whose outputs the drafter reads "
+                                              "(default: distinct layers spread over the target, never the last)")
+    mask_token_id: int | None = _arg(None, "default: an unused special token of the tokenizer")
+    epochs: float = _arg(6.0, "passes over the data")
+    max_steps: int | None = _arg(None, "cap on the total optimizer steps (the lr schedule follows it)")
+    stop_after_steps: int | None = _arg(None, "end this session at that global step; the schedule is unchanged, "
+                                        "so a later resumed run continues exactly as if never interrupted")
+    learning_rate: float = _arg(6e-4, "peak learning rate (AdamW)")
+    lr_scheduler_type: str = _arg("cosine", "a transformers.get_scheduler name; constant_with_warmup suits a run "
+                                  "that is resumed and extended across sessions (a cosine to zero wastes a short run)")
+    warmup_ratio: float = _arg(0.04, "fraction of the steps spent warming up")
+    weight_decay: float = _arg(0.0, "AdamW weight decay")
+    max_grad_norm: float = _arg(1.0, "gradient clipping (0: none)")
+    batch_size: int = _arg(4, "sequences per step")
+    gradient_accumulation_steps: int = _arg(1, "batches per optimizer step")
+    max_anchors: int = _arg(512, "blocks sampled per sequence and step")
+    max_length: int = _arg(2048, "tokens kept of each example")
+    gamma: float | None = _arg(None, "decay of the slot weights exp(-(k-1)/gamma); default 7 for block 16, 4 for 8")
+    lm_head_chunk: int = _arg(2048, "rows of the frozen lm_head matmul computed at once")
+    restrict_vocab: bool = _arg(False, "cross-entropy over the tokens the training labels use, not the whole "
+                                "vocabulary (the frozen lm_head matmul is most of a CPU step); decoding still "
+                                "uses the full lm_head")
+    precompute_features: bool | None = _arg(None, "compute the target features once (default: in one process)")
+    feature_dtype: str = _arg("bfloat16", "dtype of the stored target features")
+    mixed_precision: str = _arg("no", "accelerate mixed precision: no, bf16 or fp16", )
+    seed: int = _arg(0, "seed of the data order, anchors and initialisation")
+    checkpoint_every: int = _arg(0, "optimizer steps between checkpoints; 0: only at the end of each epoch")
+    keep_checkpoints: int = _arg(2, "checkpoints kept")
+    log_every: int = _arg(10, "steps between logged points")
+    progress: bool = _arg(True, "progress bars")
+    drafter_config_overrides: dict = _arg({}, "DFlashConfig fields to override (JSON on the command line)")
+
+    def __post_init__(self):
+        if isinstance(self.drafter_config_overrides, str):  # from the command line
+            self.drafter_config_overrides = json.loads(self.drafter_config_overrides)
+        if self.mixed_precision not in ("no", "bf16", "fp16"):
+            raise ValueError(f"mixed_precision must be 'no', 'bf16' or 'fp16', got {self.mixed_precision!r}.")
 
     def to_json(self) -> dict:
         return asdict(self)
