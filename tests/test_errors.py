@@ -140,3 +140,40 @@ def test_loading_errors_that_are_not_about_the_files_propagate_unchanged(tmp_pat
     write_zlab_folder(tmp_path)
     with pytest.raises(ImportError):  # not rephrased as "re-download the checkpoint"
         DFlashDraftModel.from_pretrained(tmp_path, attn_implementation="flash_attention_2")
+
+
+@pytest.mark.parametrize(
+    "kwargs, message",
+    [
+        (dict(num_beams=2), r"beam search \(num_beams=2\); drop num_beams"),
+        (dict(num_return_sequences=2, do_sample=True), r"several sequences per prompt"),
+        (dict(prompt_lookup_num_tokens=3), r"two ways of drafting; pass one of them"),
+        (dict(output_attentions=True, return_dict_in_generate=True), r"drop output_attentions"),
+        (dict(use_cache=False), r"drop use_cache=False"),
+        (dict(custom_generate=lambda *a, **k: None), r"brings its own decoding loop; drop custom_generate"),
+        (dict(dflash_proposal="best"), r"proposal must be one of"),
+        (dict(dflash_verify_length=-1), r"verify_length must be"),
+    ],
+    ids=["beam", "num_return_sequences", "prompt_lookup", "attentions", "no_cache", "custom_generate",
+         "proposal", "verify_length"],
+)
+def test_options_dflash_cannot_honour(target, kwargs, message):
+    kwargs = {"max_new_tokens": 4, "do_sample": False, **kwargs}
+    with pytest.raises(ValueError, match=message):
+        target.generate(PROMPT, assistant_model=drafter(0), **kwargs)
+
+
+def test_empty_prompt(target):
+    with pytest.raises(ValueError, match="prompt of at least one token"):
+        _generate(target, drafter(0), prompt=torch.zeros((1, 0), dtype=torch.long))
+
+
+def test_dflash_options_without_a_drafter(target):
+    with pytest.raises(ValueError, match="dflash_verify_length applies to DFlash calls only"):
+        target.generate(PROMPT, max_new_tokens=4, dflash_verify_length=2)
+
+
+@pytest.mark.parametrize("dflash_config", [[1, 2], {"mask_token_id": "x"}, {"mask_token_id": 1, "target_layer_ids": 3}])
+def test_malformed_dflash_config(dflash_config):
+    with pytest.raises(ValueError, match="dflash_config"):
+        DFlashConfig.from_dict({**ZLAB_CONFIG, "dflash_config": dflash_config})
