@@ -49,9 +49,11 @@ def test_verify_length_sweep_with_oracle():
 
 
 def test_mean_tau_without_baseline():
-    target, drafter = tiny.qwen3_target(), tiny.drafter(block_size=4)
-    out = bench.mean_tau(target, drafter, [[1, 2, 3]], max_new_tokens=8)
-    assert out["num_prompts"] == 1 and 1.0 <= out["mean_tau"] <= 4.0
+    target = tiny.qwen3_target()
+    oracle = tiny.drafter(block_size=4, cls=tiny.OracleDrafter).arm(_script(target, [1, 2, 3], 20), target.lm_head)
+    out = bench.mean_tau(target, oracle, [[1, 2, 3]], max_new_tokens=13)
+    # 13 new tokens: the prefill's token, then three whole blocks of 4 (every draft right)
+    assert out["num_prompts"] == 1 and out["mean_tau"] == pytest.approx(4.0)
 
 
 def test_load_prompts_jsonl(tmp_path):
