@@ -289,3 +289,15 @@ def test_block_masks_must_cover_every_layer_type():
     with pytest.raises(ValueError, match="sliding_attention"):
         drafter(torch.zeros(1, 4, tiny.HIDDEN), torch.zeros(1, 8, 2 * tiny.HIDDEN), torch.arange(12)[None],
                 attention_mask={"full_attention": mask})
+
+
+def test_bf16_target_with_bf16_mixed_precision_and_features_per_batch(tmp_path):
+    """The recipe a CPU with bf16 runs: bf16 target (frozen head in bf16), bf16 autocast, features per batch."""
+    target = tiny.qwen3_target().to(torch.bfloat16)
+    cfg = small_config(tmp_path, epochs=8, num_draft_layers=2, mixed_precision="bf16", restrict_vocab=True,
+                       precompute_features=False)
+    drafter, result = train_drafter(target, pattern_examples(), cfg, save=False, checkpoints=False)
+    history = result["history"]
+    assert all(math.isfinite(h["loss"]) for h in history)
+    assert sum(h["loss"] for h in history[-3:]) < sum(h["loss"] for h in history[:3])
+    assert next(drafter.parameters()).dtype == torch.float32  # master weights stay fp32 under autocast

@@ -194,7 +194,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         correct = torch.zeros(hidden.shape[0], dtype=torch.bool, device=hidden.device)
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
-            logits = (hidden[start:end] @ weight.T).float()
+            logits = (hidden[start:end].to(weight.dtype) @ weight.T).float()  # the frozen head's dtype (bf16 target: bf16 matmul)
             if softcap is not None:
                 capped = torch.tanh(logits / softcap)
                 logits = capped * softcap
