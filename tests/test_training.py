@@ -269,7 +269,7 @@ def test_precomputed_features_are_cached_on_disk(tmp_path, monkeypatch):
     examples = pattern_examples(n=6, length=20)
     first = tdata.DFlashDataset(examples)
     first.precompute_features(target, [1, 3], batch_size=4, cache_dir=tmp_path, progress=False)
-    assert len(list(tmp_path.glob("features-*.pt"))) == 1
+    assert len(list(tmp_path.glob("features-*.safetensors"))) == 1
 
     def no_target_forward(*args, **kwargs):
         raise AssertionError("features should have been read from the cache")
@@ -280,6 +280,12 @@ def test_precomputed_features_are_cached_on_disk(tmp_path, monkeypatch):
     assert all(torch.equal(a, b) for a, b in zip(first.features, again.features))
     with pytest.raises(AssertionError, match="read from the cache"):  # other layers: other features
         tdata.DFlashDataset(examples).precompute_features(target, [0, 3], cache_dir=tmp_path, progress=False)
+    monkeypatch.undo()
+    path = next(tmp_path.glob("features-*.safetensors"))
+    path.write_bytes(path.read_bytes()[:100])  # cut by an interruption: computed again, same values
+    again = tdata.DFlashDataset(examples)
+    again.precompute_features(target, [1, 3], batch_size=4, cache_dir=tmp_path, progress=False)
+    assert all(torch.equal(a, b) for a, b in zip(first.features, again.features))
 
 
 def test_block_masks_must_cover_every_layer_type():

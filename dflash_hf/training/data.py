@@ -286,22 +286,24 @@ class DFlashDataset(torch.utils.data.Dataset):
                             cache_dir: str | os.PathLike | None = None):
         """Target features of every example, computed once (stored in `dtype` to halve memory).
 
-        With `cache_dir`, they are also saved there (`features-<fingerprint>.pt`) and read back by a
-        later run on the same examples, target and layers: a resumed CPU run does not pay the target
-        forward over the whole dataset again."""
+        With `cache_dir`, they are also saved there (`features-<fingerprint>.safetensors`, one tensor per
+        example) and read back by a later run on the same examples, target and layers: a resumed CPU run
+        does not pay the target forward over the whole dataset again."""
+        from safetensors import SafetensorError
+        from safetensors.torch import load_file, save_file
         from tqdm.auto import tqdm
 
         path = None
         if cache_dir is not None:
-            path = Path(cache_dir) / f"features-{self.features_fingerprint(target, layer_ids, dtype)}.pt"
+            path = Path(cache_dir) / f"features-{self.features_fingerprint(target, layer_ids, dtype)}.safetensors"
             if path.is_file():
                 try:
-                    self.features = torch.load(path, weights_only=True)
-                    if len(self.features) == len(self.examples):
+                    stored = load_file(path)
+                    if len(stored) == len(self.examples):
+                        self.features = [stored[str(i)] for i in range(len(self.examples))]
                         return
-                except (OSError, RuntimeError, EOFError):  # cut by an interruption: compute again
+                except (OSError, SafetensorError, KeyError):  # cut by an interruption: compute again
                     pass
-                self.features = None
 
         device = next(target.parameters()).device
         features: list[torch.Tensor | None] = [None] * len(self.examples)
@@ -318,7 +320,7 @@ class DFlashDataset(torch.utils.data.Dataset):
         if path is not None:
             path.parent.mkdir(parents=True, exist_ok=True)
             temporary = path.with_suffix(".tmp")
-            torch.save(features, temporary)
+            save_file({str(i): feature for i, feature in enumerate(features)}, str(temporary))
             temporary.replace(path)
 
 
