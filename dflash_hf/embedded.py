@@ -6,7 +6,8 @@ importing the package (which would import `llm` and `llama_cpp`). transformers' 
 dequantises it into a float model, which is then saved once as a safetensors folder in the user's
 cache, so later loads take a second instead of ~25 s. Target weights are never committed here.
 
-Cache folder: `$DFLASH_HF_CACHE` if set, else `$XDG_CACHE_HOME/dflash-hf`, else `~/.cache/dflash-hf`.
+Cache folder: `$DFLASH_HF_CACHE` if set, else `dflash-hf` in huggingface_hub's home (`$HF_HOME`, by default
+`~/.cache/huggingface`), the way accelerate and other Hugging Face libraries keep their files.
 """
 
 from __future__ import annotations
@@ -33,8 +34,9 @@ def cache_dir() -> Path:
     """Where dflash-hf keeps converted targets (`DFLASH_HF_CACHE` overrides)."""
     if os.environ.get("DFLASH_HF_CACHE"):
         return Path(os.environ["DFLASH_HF_CACHE"]).expanduser()
-    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
-    return Path(base) / "dflash-hf"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HOME) / "dflash-hf"
 
 
 def smollm2_gguf_path() -> Path:

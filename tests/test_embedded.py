@@ -14,8 +14,10 @@ def test_cache_dir_overrides(monkeypatch, tmp_path):
     monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path / "c"))
     assert embedded.cache_dir() == tmp_path / "c"
     monkeypatch.delenv("DFLASH_HF_CACHE")
-    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "x"))
-    assert embedded.cache_dir() == tmp_path / "x" / "dflash-hf"
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HOME", str(tmp_path / "hf"))  # what $HF_HOME sets at import
+    assert embedded.cache_dir() == tmp_path / "hf" / "dflash-hf"
 
 
 def test_missing_package_names_the_install_command(monkeypatch):
