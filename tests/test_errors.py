@@ -147,14 +147,14 @@ def test_loading_errors_that_are_not_about_the_files_propagate_unchanged(tmp_pat
     [
         (dict(num_beams=2), r"beam search \(num_beams=2\); drop num_beams"),
         (dict(num_return_sequences=2, do_sample=True), r"several sequences per prompt"),
-        (dict(prompt_lookup_num_tokens=3), r"two ways of drafting; pass one of them"),
+        (dict(dflash_lookup=0), r"lookup must be None \(off\) or the most tokens copied"),
         (dict(output_attentions=True, return_dict_in_generate=True), r"drop output_attentions"),
         (dict(use_cache=False), r"drop use_cache=False"),
         (dict(custom_generate=lambda *a, **k: None), r"brings its own decoding loop; drop custom_generate"),
         (dict(dflash_proposal="best"), r"proposal must be one of"),
         (dict(dflash_verify_length=-1), r"verify_length must be"),
     ],
-    ids=["beam", "num_return_sequences", "prompt_lookup", "attentions", "no_cache", "custom_generate",
+    ids=["beam", "num_return_sequences", "lookup", "attentions", "no_cache", "custom_generate",
          "proposal", "verify_length"],
 )
 def test_options_dflash_cannot_honour(target, kwargs, message):

@@ -120,10 +120,10 @@ def sampling_target():
 
 
 @torch.no_grad()
-def exact_first_three(target, processors) -> torch.Tensor:
+def exact_first_three(target, processors, prompt=PROMPT) -> torch.Tensor:
     """P(t1, t2, t3) of plain sampling, by enumerating every prefix: (V, V, V)."""
     joint = torch.ones(())
-    ids = PROMPT
+    ids = prompt
     for _ in range(3):
         logits = target(ids).logits[:, -1].float()
         probs = processors(ids, logits).softmax(-1)  # (V**n, V)
@@ -132,13 +132,13 @@ def exact_first_three(target, processors) -> torch.Tensor:
     return joint.reshape(E2E_VOCAB, E2E_VOCAB, E2E_VOCAB)
 
 
-def sample_first_three(target, assistant, settings, seed=0, samples=E2E_SAMPLES):
+def sample_first_three(target, assistant, settings, seed=0, samples=E2E_SAMPLES, prompt=PROMPT):
     """Counts of (t1, t2, t3) over `samples` DFlash generations, and the drafts accepted in total."""
     torch.manual_seed(seed)
     counts, accepted = torch.zeros(E2E_VOCAB**3), 0
     for _ in range(samples):
-        out = target.generate(PROMPT, do_sample=True, max_new_tokens=3, assistant_model=assistant, **settings)
-        a, b, c = out[0, PROMPT.shape[1]:].tolist()
+        out = target.generate(prompt, do_sample=True, max_new_tokens=3, assistant_model=assistant, **settings)
+        a, b, c = out[0, prompt.shape[1]:].tolist()
         counts[(a * E2E_VOCAB + b) * E2E_VOCAB + c] += 1
         accepted += assistant.last_stats.accepted_tokens
     return counts, accepted
@@ -164,6 +164,20 @@ def test_first_three_tokens_follow_plain_sampling(sampling_target, setting, prop
     observed, accepted = sample_first_three(sampling_target, oracle, SETTINGS[setting])
     assert chi_square_pvalue(observed, expected) > ALPHA
     assert accepted > E2E_SAMPLES // 10  # the drafter's tokens are really being accepted
+
+
+@pytest.mark.parametrize("proposal", ["sample", "argmax"])
+def test_copies_from_the_context_keep_sampling_exact(sampling_target, proposal):
+    """A prompt whose last two tokens recur in it: the copied continuation is verified as a
+    deterministic proposal (q one-hot), and the tokens still follow plain sampling."""
+    prompt = torch.tensor([[1, 5, 2, 7, 1, 3, 4, 6, 1, 5]])
+    settings = {"temperature": 1.0, "prompt_lookup_num_tokens": 3}
+    dflash_hf.enable(sampling_target, proposal=proposal, verify_length=None)
+    useless = drafter(0, vocab_size=E2E_VOCAB, dflash_config={"mask_token_id": 0, "target_layer_ids": [1, 3]})
+    expected = exact_first_three(sampling_target, _processors(temperature=1.0), prompt)
+    observed, accepted = sample_first_three(sampling_target, useless, settings, prompt=prompt)
+    assert chi_square_pvalue(observed, expected) > ALPHA
+    assert useless.last_stats.copied_steps > 0 and accepted > 0
 
 
 def test_end_to_end_check_rejects_always_accept(sampling_target, monkeypatch):

@@ -8,15 +8,18 @@ the target's embeddings, the target's lm_head for the drafts. This subclass adds
   the step is a plain decoding step and the drafter does not run (its context waits in a buffer);
 - the way drafts are proposed under sampling (`PROPOSALS`), with the scores q they were drawn from;
 - Gemma's final logit soft-capping on draft logits, as on the target's;
-- the draft logits computed only for the slots that are verified, on the lm_head's device.
+- the draft logits computed only for the slots that are verified, on the lm_head's device;
+- copies from the context (`lookup`): where the last tokens recur in the prompt or output so far, the
+  continuation found there (transformers' `PromptLookupCandidateGenerator` finds it) can be verified
+  instead of the DFlash block, whichever the policy expects to commit more tokens per second.
 """
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
-from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
+from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator, PromptLookupCandidateGenerator
 
 from ..targets import logit_softcap
-from .policy import AdaptiveVerifyLength
+from .policy import AdaptiveVerifyLength, StepCosts
 
 # How drafts are proposed under `do_sample=True` (all three are lossless):
 # - "sample": a draw from the drafter's q; rejection sampling accepts it with prob min(1, p(d) / q(d)).
@@ -27,8 +30,11 @@ PROPOSALS = ("sample", "argmax", "match")
 ADAPTIVE = "adaptive"
 
 
-def check_settings(proposal: str, verify_length) -> None:
+def check_settings(proposal: str, verify_length, lookup=None) -> None:
     """The DFlash options (`enable`, per call, `GenerationConfig`), checked where they come in."""
+    if lookup is not None and (isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1):
+        raise ValueError(f"lookup must be None (off) or the most tokens copied from the context per step (an int "
+                         f">= 1, e.g. 10), got {lookup!r}")
     if proposal not in PROPOSALS:
         raise ValueError(f"dflash proposal must be one of {PROPOSALS}, got {proposal!r}")
     fixed = isinstance(verify_length, int) and not isinstance(verify_length, bool) and verify_length >= 0
@@ -56,6 +62,10 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         verify_length (`str` or `int`, *optional*, defaults to `"adaptive"`): drafts verified per step:
             `"adaptive"` (chosen each step, `policy.AdaptiveVerifyLength`), `None` (all), or at most an int.
             The drafter always drafts its whole trained block: shortening its input hurts acceptance.
+        lookup (`int`, *optional*): copy up to this many tokens from the context where its last tokens
+            recur (None: never copy). A copied run is verified instead of the block when the policy
+            expects it to pay more (with a fixed verify length: whenever one is found); the drafter
+            does not run in that step. Copies are a deterministic proposal (q one-hot) under sampling.
     """
 
     def __init__(
@@ -66,8 +76,9 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         logits_processor: LogitsProcessorList | None = None,
         proposal: str = "sample",
         verify_length: int | str | None = ADAPTIVE,
+        lookup: int | None = None,
     ):
-        check_settings(proposal, verify_length)
+        check_settings(proposal, verify_length, lookup)
         super().__init__(
             drafter, target.get_input_embeddings(), target.get_output_embeddings(), generation_config,
             logits_processor if logits_processor is not None else LogitsProcessorList(),
@@ -84,6 +95,21 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         self.block_in_cache = False  # the last drafter forward left its block's keys/values in the cache
         self.padded: bool | None = None  # whether the prompt has padding; decided at the first draft
         self.num_drafts = 0  # drafts handed to the target at the current step
+        self.copied = False  # whether they were copied from the context rather than drafted
+        self.lookup = None
+        if lookup is not None:
+            self.lookup = PromptLookupCandidateGenerator(
+                eos_token_id=None, num_output_tokens=lookup, max_matching_ngram_size=2,
+                max_length=self.main_model_max_length,
+                # under sampling, skip copies of tokens the processors forbid (as prompt lookup does)
+                logits_processor=self.logits_processor if self.do_sample and len(self.logits_processor) else None,
+                vocab_size=self.main_model_output_embeddings.weight.shape[0],
+            )
+        # Copied runs accept very differently from drafts: their own statistics, and no drafter in their cost.
+        self.copy_policy = None
+        if lookup is not None and verify_length == ADAPTIVE:
+            costs = StepCosts(lookup, draft=0.0, fallback=self.policy.costs if self.policy is not None else None)
+            self.copy_policy = AdaptiveVerifyLength(lookup, costs)
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -100,7 +126,7 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         **kwargs,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
         """`(1, n + k)` ids and `(1, k, vocab)` scores q of the drafts (None: no drafts, or "match")."""
-        self.num_drafts = 0
+        self.num_drafts, self.copied = 0, False
         if is_first_iteration:  # the prefill forward comes first: its hidden states are the first context
             return input_ids, None
         hidden_states = model_outputs.hidden_states
@@ -111,9 +137,14 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         self.pending_context.append(
             torch.cat([hidden_states[i + 1][:, :num_new].to(self.device) for i in self.target_layer_ids], dim=-1)
         )
-        limit = min(self.max_drafts, self.main_model_max_length - input_ids.shape[1] - 1)
+        room = self.main_model_max_length - input_ids.shape[1] - 1
+        limit = min(self.max_drafts, room)
         if self.policy is not None and limit > 0:
             limit = self.policy.choose(limit)
+        if self.lookup is not None and room > 0:
+            copy = self._copy(input_ids, limit, room)
+            if copy is not None:
+                return copy
         if limit <= 0:  # a plain step: the target decodes one token, the drafter waits
             return input_ids, None
         self.num_drafts = limit
@@ -124,6 +155,26 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             logits = torch.tanh(logits / self.softcap) * self.softcap
         drafts, scores = self._propose(input_ids, logits.to(input_ids.device))
         return torch.cat([input_ids, drafts], dim=-1), scores
+
+    def _copy(self, input_ids: torch.LongTensor, drafted: int, room: int):
+        """`(ids + copied run, scores)` when the context offers a continuation worth verifying, else None."""
+        found = self.lookup.get_candidates(input_ids)[0][:, input_ids.shape[1] : input_ids.shape[1] + room]
+        available = found.shape[1]
+        if available == 0:
+            return None
+        if self.copy_policy is not None:
+            length = self.copy_policy.best(available, lowest=1)
+            drafting = self.policy.rate(drafted) if self.policy is not None else 0.0
+            if self.copy_policy.rate(length) < drafting:
+                return None
+            found = found[:, :length]
+        self.num_drafts, self.copied = found.shape[1], True
+        scores = None
+        if self.do_sample and self.proposal != "match":  # a deterministic proposal: q one-hot at the copy
+            vocab = self.main_model_output_embeddings.weight.shape[0]
+            scores = torch.full((1, found.shape[1], vocab), float("-inf"), device=found.device)
+            scores.scatter_(-1, found[..., None], 0.0)
+        return torch.cat([input_ids, found], dim=-1), scores
 
     def _draft_block(self, input_ids: torch.LongTensor, model_kwargs: dict) -> torch.Tensor:
         """One drafter forward over [pending context ; anchor, mask x (B - 1)]: the `(1, B, hidden)` block output."""
@@ -192,7 +243,12 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
     def update_candidate_strategy(self, input_ids: torch.LongTensor, scores, num_matches: int, seconds: float = 0.0):
         """After each target forward but the prefill: `num_matches` drafts were committed, the step
         (drafting and verifying) took `seconds`."""
-        if self.policy is not None:
+        if self.copied:
+            if self.copy_policy is not None:
+                self.copy_policy.observe(self.num_drafts, int(num_matches), seconds)
+            if self.policy is not None:
+                self.policy.fade()
+        elif self.policy is not None:
             self.policy.observe(self.num_drafts, int(num_matches), seconds)
 
 

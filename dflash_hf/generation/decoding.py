@@ -31,7 +31,7 @@ from ..targets import check_compatible, is_dflash_drafter
 from .candidate_generator import ADAPTIVE, DFlashCandidateGenerator, check_settings
 
 _SETTINGS = "_dflash_settings"  # where enable() keeps its options, in the instance's __dict__
-DEFAULTS = {"proposal": "sample", "verify_length": ADAPTIVE}
+DEFAULTS = {"proposal": "sample", "verify_length": ADAPTIVE, "lookup": None}
 _UNSET = object()
 
 
@@ -49,15 +49,21 @@ class DFlashStats:
     verify_lengths: list[int] = field(default_factory=list)
     drafted_tokens: int = 0  # drafts handed to the target for verification
     accepted_tokens: int = 0  # of those, drafts the target committed
+    copied_steps: int = 0  # forwards that verified a run copied from the context instead of a DFlash block
+    copied_accepted_tokens: int = 0  # copied tokens the target committed (counted in accepted_tokens too)
     draft_seconds: float = 0.0  # in the drafter (context ingestion + block forward + lm_head + proposal)
     verify_seconds: float = 0.0  # in the target's forwards and acceptance, prefill included
 
-    def record(self, num_drafts: int, num_accepted: int) -> None:
-        """One verification forward: `num_drafts` drafts handed over, the first `num_accepted` committed."""
+    def record(self, num_drafts: int, num_accepted: int, copied: bool = False) -> None:
+        """One verification forward: `num_drafts` drafts handed over (`copied` from the context), the first
+        `num_accepted` committed."""
         self.verify_lengths.append(num_drafts)
         self.acceptance_lengths.append(num_accepted + 1)
         self.drafted_tokens += num_drafts
         self.accepted_tokens += num_accepted
+        if copied:
+            self.copied_steps += 1
+            self.copied_accepted_tokens += num_accepted
 
     @property
     def mean_acceptance_length(self) -> float:
@@ -94,6 +100,8 @@ class DFlashStats:
             "num_target_forwards": self.num_target_forwards,
             "drafted_tokens": self.drafted_tokens,
             "accepted_tokens": self.accepted_tokens,
+            "copied_steps": self.copied_steps,
+            "copied_accepted_tokens": self.copied_accepted_tokens,
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "plain_steps": self.plain_steps,
@@ -119,6 +127,7 @@ def dflash_decode(
     drafter=None,
     dflash_verify_length=_UNSET,
     dflash_proposal=_UNSET,
+    dflash_lookup=_UNSET,
     dflash_settings: dict | None = None,
     **model_kwargs,
 ):
@@ -126,11 +135,13 @@ def dflash_decode(
 
     `target.generate(ids, custom_generate=dflash_decode, drafter=drafter)` runs it directly (transformers
     then neither passes a streamer nor builds stop-string criteria: `dflash_hf.generate` or `enable` do).
-    Per call, `dflash_verify_length=` and `dflash_proposal=` (or the same fields of a `GenerationConfig`)
-    override `dflash_settings` (what `enable` stored), see `DFlashCandidateGenerator`.
+    Per call, `dflash_verify_length=`, `dflash_proposal=` and `dflash_lookup=` (or the same fields of a
+    `GenerationConfig`; `prompt_lookup_num_tokens=n` is `dflash_lookup=n`) override `dflash_settings`
+    (what `enable` stored), see `DFlashCandidateGenerator`.
     """
     generator = _start(model, drafter, input_ids, generation_config, logits_processor, model_kwargs,
-                       {"verify_length": dflash_verify_length, "proposal": dflash_proposal}, dflash_settings)
+                       {"verify_length": dflash_verify_length, "proposal": dflash_proposal, "lookup": dflash_lookup},
+                       dflash_settings)
     stats, cache = DFlashStats(), model_kwargs["cache"]
     drafter.last_stats = stats
     eos = next((c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)), None)
@@ -189,7 +200,7 @@ def dflash_decode(
         stats.draft_seconds += drafted - start
         stats.verify_seconds += now - drafted
         if not first:
-            stats.record(num_drafts, committed - 1)
+            stats.record(num_drafts, committed - 1, generator.copied)
             generator.update_candidate_strategy(input_ids, processed, committed - 1, now - start)
         accepted, first = committed - 1, False
         if done:
@@ -212,7 +223,9 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
             value = getattr(generation_config, f"dflash_{name}", _UNSET)
         if value is not _UNSET:
             settings[name] = value
-    check_settings(settings["proposal"], settings["verify_length"])
+    if generation_config.prompt_lookup_num_tokens is not None:  # with a DFlash drafter: copy where it can
+        settings["lookup"] = generation_config.prompt_lookup_num_tokens
+    check_settings(settings["proposal"], settings["verify_length"], settings["lookup"])
     check_compatible(model, drafter)
     unsupported = {
         "num_beams": "beam search", "num_return_sequences": "several sequences per prompt",
@@ -221,8 +234,6 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
         if (getattr(generation_config, name, None) or 1) > 1:
             raise ValueError(f"DFlash does not do {what} ({name}={getattr(generation_config, name)}); drop {name} or "
                              "the DFlash drafter.")
-    if generation_config.prompt_lookup_num_tokens is not None:
-        raise ValueError("prompt_lookup_num_tokens and a DFlash drafter are two ways of drafting; pass one of them.")
     if generation_config.output_attentions:
         raise ValueError("DFlash does not return attentions; drop output_attentions.")
     if input_ids.shape[0] != 1:
@@ -365,7 +376,7 @@ def generate(model: PreTrainedModel, *args, assistant_model=None, **kwargs):
     `dflash_verify_length=` and `dflash_proposal=` override what `enable` stored.
     """
     if assistant_model is None or not is_dflash_drafter(assistant_model):
-        for name in ("dflash_verify_length", "dflash_proposal"):
+        for name in ("dflash_verify_length", "dflash_proposal", "dflash_lookup"):
             if name in kwargs:
                 raise ValueError(f"{name} applies to DFlash calls only (assistant_model=<a DFlash drafter>).")
         return type(model).generate(model, *args, assistant_model=assistant_model, **kwargs)
@@ -419,7 +430,8 @@ class _BoundGenerate:
         return _BoundGenerate(memo.get(id(model), model))
 
 
-def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int | str | None = ADAPTIVE):
+def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int | str | None = ADAPTIVE,
+           lookup: int | None = None):
     """Lets `target.generate(..., assistant_model=drafter)` (and pipelines) decode with a DFlash drafter.
 
     Only this instance changes: its `generate` becomes `dflash_hf.generate` bound to it; calls without a
@@ -432,14 +444,17 @@ def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int
         verify_length (`str` or `int`, *optional*, defaults to `"adaptive"`): drafts the target verifies per
             step: `"adaptive"` picks it each step from acceptance and step costs seen so far in the call
             (plain steps when drafting does not pay); `None` all `block_size - 1`; an int at most that many.
+        lookup (`int`, *optional*): also copy up to this many tokens from the context where its last
+            tokens recur, verified instead of the DFlash block when that is expected to pay more (None: off;
+            per call `prompt_lookup_num_tokens=n` or `dflash_lookup=n`).
     """
     if is_dflash_drafter(target):
         raise TypeError("dflash_hf.enable takes the target model, not the drafter.")
     if not isinstance(target, PreTrainedModel) or not target.can_generate():
         raise TypeError(f"dflash_hf.enable expects a transformers model that can generate (AutoModelForCausalLM), "
                         f"got {type(target).__name__}.")
-    check_settings(proposal, verify_length)
-    target.__dict__[_SETTINGS] = {"proposal": proposal, "verify_length": verify_length}
+    check_settings(proposal, verify_length, lookup)
+    target.__dict__[_SETTINGS] = {"proposal": proposal, "verify_length": verify_length, "lookup": lookup}
     target.generate = _BoundGenerate(target)
     return target
 

@@ -32,13 +32,17 @@ class StepCosts:
         per_draft (`float`, defaults to 0.1): prior extra cost of each verified draft, in plain steps
             (measured on 2 CPU cores for SmolLM2-135M: 0.03 in bf16, 0.06 in fp32; on a GPU less).
         memory (`float`, defaults to 8): observations over which a mean forgets (by `1/e`).
+        fallback (`StepCosts`, *optional*): another kind of step's costs (same seconds), whose scale
+            prices this one's lengths until it has seen a step of its own.
     """
 
-    def __init__(self, max_drafts: int, draft: float = 0.3, per_draft: float = 0.1, memory: float = 8.0):
+    def __init__(self, max_drafts: int, draft: float = 0.3, per_draft: float = 0.1, memory: float = 8.0,
+                 fallback: "StepCosts | None" = None):
         self.prior = [1.0] + [1.0 + draft + per_draft * n for n in range(1, max_drafts + 1)]
         self.weight = 1.0 / memory
         self.mean: list[float | None] = [None] * (max_drafts + 1)
         self.scale: float | None = None  # seconds per prior unit, over all steps
+        self.fallback = fallback  # priced by its scale until this one has seen a step (same units)
 
     def observe(self, num_drafts: int, seconds: float) -> None:
         self.mean[num_drafts] = self._update(self.mean[num_drafts], seconds)
@@ -49,7 +53,9 @@ class StepCosts:
 
     def seconds(self) -> list[float]:
         """Expected seconds of a step verifying n drafts, n = 0..max_drafts (prior units before any step)."""
-        scale = 1.0 if self.scale is None else self.scale
+        scale = self.scale
+        if scale is None:
+            scale = self.fallback.scale if self.fallback is not None and self.fallback.scale is not None else 1.0
         return [mean if mean is not None else scale * prior for mean, prior in zip(self.mean, self.prior)]
 
 
@@ -111,6 +117,10 @@ class AdaptiveVerifyLength:
         expected, seconds = self.expected_tokens(), self.costs.seconds()
         return max(range(lowest, limit + 1), key=lambda n: (expected[n] / seconds[n], -n))
 
+    def rate(self, n: int) -> float:
+        """Expected tokens per second of a step verifying n drafts (comparable across policies)."""
+        return self.expected_tokens()[n] / self.costs.seconds()[n]
+
     def choose(self, limit: int | None = None) -> int:
         """Drafts to verify in the next step (0: a plain decoding step, the drafter is not run)."""
         if limit is not None and limit <= 0:
@@ -128,6 +138,14 @@ class AdaptiveVerifyLength:
         # `observe` decides whether drafting resumes (and then the policy picks the length again).
         self.plain_steps, self.probing = 0, True
         return 1
+
+    def fade(self) -> None:
+        """A step of another kind (a copied run) took this one's place: statistics fade, and a probe that
+        was due is postponed to the next step."""
+        self.accepted = [x * self.decay for x in self.accepted]
+        self.seen = [x * self.decay for x in self.seen]
+        if self.probing:
+            self.probing, self.plain_steps = False, self.probe_interval
 
     def observe(self, num_drafts: int, num_accepted: int, seconds: float | None = None) -> None:
         """A step verified `num_drafts` drafts, accepted the first `num_accepted` and took `seconds`
