@@ -45,6 +45,9 @@ class TrainRunArguments:
     max_new_tokens: int = field(default=256, metadata={"help": "length of each regenerated response"})
     generation_batch_size: int = field(default=8, metadata={"help": "prompts per batch when regenerating responses"})
     resume: bool = field(default=True, metadata={"help": "continue from the latest checkpoint in --output-dir"})
+    init_from: str | None = field(default=None, metadata={
+        "help": "start from this drafter's weights (folder or Hub id) when --output-dir holds no checkpoint; its "
+                "config (block size, layers, target layers, mask token) replaces the drafter options"})
     eval_prompts: str = field(default="humaneval:8", metadata={
         "help": "held-out prompts for tau after training ('' to skip; HumanEval never enters training)"})
     eval_max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per held-out prompt"})
@@ -64,7 +67,9 @@ def load_training_prompts(spec: str, num_prompts: int | None, seed: int) -> list
 
 def run_train(args: argparse.Namespace) -> int:
     from . import embedded
-    from .training.trainer import TrainConfig, distill
+    from .modeling_dflash import DFlashDraftModel
+    from .targets import check_compatible
+    from .training.trainer import TrainConfig, distill, latest_checkpoint
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     prompts = load_training_prompts(args.prompts, args.num_prompts, config.seed)
@@ -77,6 +82,10 @@ def run_train(args: argparse.Namespace) -> int:
             eval_prompts = [item["prompt"] for item in load_prompts(args.eval_prompts)]
         except PromptSetMissing as error:
             print(f"warning: no held-out evaluation ({error})", file=sys.stderr)
+    drafter = None
+    if args.init_from and not (args.resume and latest_checkpoint(config.output_dir)):
+        drafter = DFlashDraftModel.from_pretrained(args.init_from)
+        check_compatible(target, drafter)
     model_card = None
     if args.target == DEFAULT_TARGET:
         model_card = embedded.smollm2_model_card
@@ -84,7 +93,7 @@ def run_train(args: argparse.Namespace) -> int:
         target, tokenizer, prompts, config, max_new_tokens=args.max_new_tokens,
         generation_batch_size=args.generation_batch_size, eval_prompts=eval_prompts,
         eval_max_new_tokens=args.eval_max_new_tokens, resume=args.resume, target_name=args.target,
-        model_card=model_card,
+        model_card=model_card, drafter=drafter,
     )
     final = metrics.get("final", {})
     print(f"trained {metrics['global_step']}/{metrics['total_steps']} steps "

@@ -5,7 +5,7 @@
     nice -n 19 python scripts/train_smollm2_drafter.py --output-dir runs/smollm2-dflash --rounds 8 --ship
 
 Each round trains `--steps-per-round` more steps (constant learning rate, so a later session simply
-continues), then measures the held-out HumanEval tau through the decoding loop. With `--ship`, a
+continues; on a machine without the checkpoints it starts from the shipped drafter), then measures the held-out HumanEval tau through the decoding loop. With `--ship`, a
 round whose tau beats the drafter in dflash_hf/assets/smollm2-dflash/ replaces it (weights, config,
 remote-code file, model card, metrics; never checkpoints, features or the target).
 
@@ -92,10 +92,12 @@ def main(argv=None) -> int:
     if not prompt_file.exists():
         prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in training_prompts()))
     curve = output_dir / "tau_curve.jsonl"
+    # A fresh machine (no checkpoint in --output-dir) continues from the shipped drafter's weights.
+    warm_start = ["--init-from", str(ASSETS)] if (ASSETS / "model.safetensors").is_file() else []
     for _ in range(args.rounds):
         stop = latest_step(output_dir) + args.steps_per_round
         code = cli_main(["train", *RECIPE, "--prompts", str(prompt_file), "--output-dir", str(output_dir),
-                         "--stop-after-steps", str(stop), "--no-progress", *passthrough])
+                         "--stop-after-steps", str(stop), "--no-progress", *warm_start, *passthrough])
         if code:
             return code
         metrics = json.loads((output_dir / "training_metrics.json").read_text())

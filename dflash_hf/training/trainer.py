@@ -424,11 +424,13 @@ def distill(
     resume: bool = True,
     target_name: str = "",
     model_card=None,
+    drafter: DFlashDraftModel | None = None,
 ) -> tuple[DFlashDraftModel, dict]:
     """The whole recipe: regenerate responses with the target (cached in `output_dir/data`), train,
     then report training accuracy and held-out acceptance (tau) and write the drafter folder.
 
-    `model_card(drafter, config, metrics) -> str` may replace the default card.
+    `model_card(drafter, config, metrics) -> str` may replace the default card. `drafter`: start from
+    these weights instead of a new drafter (a checkpoint in `output_dir`, when resuming, wins).
     """
     from ..evaluation import encode_prompt, mean_tau
     from .data import build_dataset
@@ -448,7 +450,7 @@ def distill(
         batch_size=generation_batch_size, stop_ids=stop, pad_token_id=tokenizer.pad_token_id, progress=config.progress,
     )
     data_seconds = time.perf_counter() - started
-    drafter, metrics = train_drafter(target, examples, config, resume=resume, save=False)
+    drafter, metrics = train_drafter(target, examples, config, drafter=drafter, resume=resume, save=False)
     metrics["data_seconds"] = data_seconds
     metrics["target"] = target_name
     if eval_prompts:
