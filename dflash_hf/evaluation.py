@@ -253,9 +253,10 @@ def run_bench(
             }
             if plain is not None:
                 entry["matches_greedy"] = bool(torch.equal(output, plain))
-                entry["speedup"] = row["baseline"]["seconds"] / median if median > 0 else 0.0
+                # tokens per second, not seconds: in bf16 an output may differ (and end elsewhere)
+                entry["speedup"] = entry["tokens_per_second"] / row["baseline"]["tokens_per_second"]
             if "lookup" in row:
-                entry["speedup_over_lookup"] = row["lookup"]["seconds"] / median if median > 0 else 0.0
+                entry["speedup_over_lookup"] = entry["tokens_per_second"] / row["lookup"]["tokens_per_second"]
             row["dflash"][key] = entry
         rows.append(row)
         main = row["dflash"][str(full)]
@@ -275,9 +276,8 @@ def run_bench(
         "prompts": rows,
     }
     if lookup is not None and baseline:
-        plain_seconds = sum(row["baseline"]["seconds"] for row in rows)
-        result["lookup"] = {"num_tokens": lookup,
-                            "speedup": plain_seconds / max(1e-9, sum(row["lookup"]["seconds"] for row in rows))}
+        rate = lambda key: sum(r[key]["new_tokens"] for r in rows) / max(1e-9, sum(r[key]["seconds"] for r in rows))  # noqa: E731
+        result["lookup"] = {"num_tokens": lookup, "speedup": rate("lookup") / max(1e-9, rate("baseline"))}
     return result
 
 
@@ -298,10 +298,11 @@ def summarize(entries: list[dict], baselines: list[dict | None], block_size: int
     if all(b is not None for b in baselines) and baselines:
         base_seconds = sum(b["seconds"] for b in baselines)
         out["baseline_tokens_per_second"] = sum(b["new_tokens"] for b in baselines) / max(1e-9, base_seconds)
-        out["speedup"] = base_seconds / max(1e-9, sum(e["seconds"] for e in entries))
+        out["speedup"] = out["dflash_tokens_per_second"] / max(1e-9, out["baseline_tokens_per_second"])
         out["all_match_greedy"] = all(e.get("matches_greedy", False) for e in entries)
     if lookups and all(b is not None for b in lookups):
-        out["speedup_over_lookup"] = sum(b["seconds"] for b in lookups) / max(1e-9, sum(e["seconds"] for e in entries))
+        lookup_rate = sum(b["new_tokens"] for b in lookups) / max(1e-9, sum(b["seconds"] for b in lookups))
+        out["speedup_over_lookup"] = out["dflash_tokens_per_second"] / max(1e-9, lookup_rate)
     return out
 
 
