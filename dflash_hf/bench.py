@@ -57,7 +57,8 @@ def format_summary(result: dict) -> str:
     lines = [f"{result['num_prompts']} prompts, block {result['block_size']}, up to {result['max_new_tokens']} new tokens"]
     if "lookup" in result:
         lines.append(f"  prompt lookup alone (prompt_lookup_num_tokens={result['lookup']['num_tokens']}): "
-                     f"speedup {result['lookup']['speedup']:.2f}x")
+                     f"speedup {result['lookup']['speedup']:.2f}x"
+                     + ("  (identical to greedy)" if result["lookup"].get("all_match_greedy") else "  (OUTPUT DIFFERS FROM GREEDY)"))
     for key in sorted(result["sweep"], key=_order):
         s = result["sweep"][key]
         text = f"  verify {key:>8}: tau {s['mean_tau']:.3f}  dflash {s['dflash_tokens_per_second']:.1f} tok/s"

@@ -236,6 +236,8 @@ def run_bench(
             median = statistics.median(seconds[key])
             row[key] = {"new_tokens": new, "seconds": median, "tokens_per_second": new / median}
         plain = outputs.get("baseline")
+        if plain is not None and "lookup" in row:  # prompt lookup verifies several tokens too: same rounding question
+            row["lookup"]["matches_greedy"] = bool(torch.equal(outputs["lookup"], plain))
         for key in runs:
             output, stats = outputs[key]
             new = output.shape[1] - ids.shape[1]
@@ -277,7 +279,8 @@ def run_bench(
     }
     if lookup is not None and baseline:
         rate = lambda key: sum(r[key]["new_tokens"] for r in rows) / max(1e-9, sum(r[key]["seconds"] for r in rows))  # noqa: E731
-        result["lookup"] = {"num_tokens": lookup, "speedup": rate("lookup") / max(1e-9, rate("baseline"))}
+        result["lookup"] = {"num_tokens": lookup, "speedup": rate("lookup") / max(1e-9, rate("baseline")),
+                            "all_match_greedy": all(r["lookup"]["matches_greedy"] for r in rows)}
     return result
 
 
