@@ -394,8 +394,8 @@ class DFlashDraftModel(DFlashPreTrainedModel):
         (non-padding) key; sliding layers see keys with 0 <= query - key < sliding_window.
         """
         flash = self.config._attn_implementation.startswith(("flash", "paged"))
-        # flash and the dflash_block kernel apply the window and in-block causality themselves
-        applies_window = flash or self.config._attn_implementation == "dflash_block"
+        # flash and the diffusion_block kernel (dflash_hf.kernels) apply the window and in-block causality themselves
+        applies_window = flash or self.config._attn_implementation == "diffusion_block"
         masks: dict[str, torch.Tensor | None] = {}
         padding = None
         if attention_mask is not None and not bool(attention_mask.all()):

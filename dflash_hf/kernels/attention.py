@@ -1,7 +1,8 @@
 """The DFlash block-attention kernel as a transformers attention function (`attn_implementation`).
 
-Nothing is registered at import: `use_dflash_attention(drafter)` registers `dflash_block` with
-transformers' `AttentionInterface` and switches the drafter to it.
+Nothing is registered at import: `use_dflash_attention(drafter)` registers `diffusion_block` with
+transformers' `AttentionInterface` and switches the drafter to it with `set_attn_implementation`
+(a name containing "flash" would be taken for a flash-attention package and refused).
 """
 
 import torch
@@ -12,7 +13,7 @@ from ..modeling_dflash import DFlashAttention
 from .loader import load_kernels, resolve_backend
 from .ops import block_attention
 
-ATTENTION_NAME = "dflash_block"
+ATTENTION_NAME = "diffusion_block"
 # Set on each DFlashAttention by `use_dflash_attention(backend=...)`: a plain attribute, so it is
 # neither saved with the weights nor written to config.json.
 BACKEND_ATTRIBUTE = "dflash_kernels_backend"
@@ -51,7 +52,7 @@ def dflash_block_attention_forward(
 
 
 def register_dflash_attention() -> str:
-    """Registers `dflash_block` with transformers' AttentionInterface (idempotent); returns the name.
+    """Registers `diffusion_block` with transformers' AttentionInterface (idempotent); returns the name.
 
     Raises ValueError when the name is already taken by another function: never override one."""
     existing = AttentionInterface._global_mapping.get(ATTENTION_NAME)
@@ -76,7 +77,5 @@ def use_dflash_attention(drafter: PreTrainedModel, backend: str | None = None) -
     for module in drafter.modules():
         if isinstance(module, DFlashAttention):
             setattr(module, BACKEND_ATTRIBUTE, backend)
-    # `set_attn_implementation` takes names it does not know for Hub kernel repos and refuses ours;
-    # DFlashAttention reads the config at every forward, so setting it is the same switch.
-    drafter.config._attn_implementation = name
+    drafter.set_attn_implementation(name)
     return drafter

@@ -25,7 +25,7 @@ ENV_VAR = "DFLASH_KERNELS"
 BACKENDS = ("auto", "triton", "torch")
 HUB_REPO_ID = "dflash-hf/dflash-kernels"
 HUB_VERSION = 1  # the kernel API version this package calls (`version` in build.toml)
-KERNEL_API = ("block_attention", "greedy_verify", "rejection_verify")
+KERNEL_API = ("block_attention",)
 
 # (backend, source, version, revision, interpreting) -> module or None.
 _LOADED: dict[tuple, ModuleType | None] = {}

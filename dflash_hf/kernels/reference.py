@@ -1,15 +1,11 @@
-"""Pure-PyTorch references for the DFlash kernels, and the input checks both paths share.
+"""The pure-PyTorch reference of the DFlash block-attention kernel, and the input checks both share.
 
-`block_attention_reference` is the semantics `dflash_kernels.block_attention` implements; the
-verification references are `dflash_hf.generation.verification`'s functions, re-exported here.
+`block_attention_reference` is the semantics `dflash_kernels.block_attention` implements.
 """
 
 import math
 
 import torch
-
-from ..generation.verification import greedy_verify as greedy_verify_reference
-from ..generation.verification import rejection_verify as rejection_verify_reference
 
 ATTENTION_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -67,29 +63,4 @@ def block_attention_reference(
     return output.transpose(1, 2).contiguous().to(q.dtype)
 
 
-def check_verify_inputs(draft_ids, scores, name: str) -> None:
-    """Shape checks shared by both verification paths, so a bad call raises ValueError either way."""
-    if not isinstance(draft_ids, torch.Tensor) or draft_ids.ndim != 2 or draft_ids.dtype != torch.long:
-        raise ValueError(f"draft_ids must be a (batch, k) LongTensor, got {getattr(draft_ids, 'shape', draft_ids)!r}.")
-    batch, k = draft_ids.shape
-    if not isinstance(scores, torch.Tensor) or scores.ndim != 3 or tuple(scores.shape[:2]) != (batch, k + 1):
-        raise ValueError(
-            f"{name} must be (batch, k + 1, vocab) = ({batch}, {k + 1}, vocab), got {tuple(getattr(scores, 'shape', ()))}."
-        )
-
-
-def check_rejection_inputs(draft_ids, draft_probs, target_probs, uniform, exponential) -> None:
-    check_verify_inputs(draft_ids, target_probs, "target_probs")
-    (batch, k), vocab = draft_ids.shape, target_probs.shape[2]
-    expected = {"draft_probs": (batch, k, vocab), "uniform": (batch, k), "exponential": (batch, vocab)}
-    for name, tensor in (("draft_probs", draft_probs), ("uniform", uniform), ("exponential", exponential)):
-        if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != expected[name]:
-            raise ValueError(f"{name} must be {expected[name]}, got {tuple(getattr(tensor, 'shape', ()))}.")
-
-
-__all__ = [
-    "block_attention_reference",
-    "check_block_attention_inputs",
-    "greedy_verify_reference",
-    "rejection_verify_reference",
-]
+__all__ = ["block_attention_reference", "check_block_attention_inputs"]

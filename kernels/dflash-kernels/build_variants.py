@@ -1,6 +1,7 @@
 #!/usr/bin/env python
 """Writes build/torch-<backend>/ from torch-ext/ and build.toml, as kernel-builder does for a
-`torch-noarch` kernel: a copy of the Python package and a metadata.json per backend.
+`torch-noarch` kernel: the Python package and a metadata.json per backend. The package is a symbolic
+link to torch-ext/ (git keeps one source tree; `kernels` imports through the link).
 
     python kernels/dflash-kernels/build_variants.py          # rewrite build/
     python kernels/dflash-kernels/build_variants.py --check  # exit 1 if build/ is stale
@@ -12,6 +13,7 @@ kernel-builder >= 0.17 flattens it into the variant folder, which `kernels` load
 import argparse
 import hashlib
 import json
+import os
 import shutil
 import sys
 try:
@@ -51,17 +53,27 @@ def expected_tree() -> dict[str, bytes]:
             "backend": {"type": backend},
         }
         tree[f"{variant}/metadata.json"] = (json.dumps(metadata, indent=2) + "\n").encode()
-        for name, data in sources.items():
-            tree[f"{variant}/{module}/{name}"] = data
+        tree[f"{variant}/{module}"] = LINK_PREFIX + f"../../torch-ext/{module}".encode()
     return tree
+
+
+LINK_PREFIX = b"symlink:"  # marks tree entries that are symbolic links (the bytes after it: the target)
+
+
+def _present(path: Path) -> bytes | None:
+    if path.is_symlink():
+        return LINK_PREFIX + os.readlink(path).encode()
+    return path.read_bytes() if path.is_file() else None
 
 
 def stale_files() -> list[str]:
     build = ROOT / "build"
     tree = expected_tree()
-    present = {p.relative_to(build).as_posix() for p in build.rglob("*") if p.is_file() and "__pycache__" not in p.parts} \
-        if build.is_dir() else set()
-    changed = [name for name, data in tree.items() if name not in present or (build / name).read_bytes() != data]
+    present = set()
+    if build.is_dir():
+        for variant in build.iterdir():
+            present.update(p.relative_to(build).as_posix() for p in variant.iterdir())
+    changed = [name for name, data in tree.items() if _present(build / name) != data]
     return sorted(changed + sorted(present - tree.keys()))
 
 
@@ -70,7 +82,10 @@ def write() -> None:
     shutil.rmtree(build, ignore_errors=True)
     for name, data in expected_tree().items():
         (build / name).parent.mkdir(parents=True, exist_ok=True)
-        (build / name).write_bytes(data)
+        if data.startswith(LINK_PREFIX):
+            (build / name).symlink_to(data[len(LINK_PREFIX):].decode(), target_is_directory=True)
+        else:
+            (build / name).write_bytes(data)
 
 
 if __name__ == "__main__":

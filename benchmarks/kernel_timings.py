@@ -1,45 +1,30 @@
-"""DFlash kernels vs their PyTorch references: block attention and draft verification.
+"""The DFlash block-attention kernel vs its PyTorch reference.
 
-    python benchmarks/kernels.py                 # realistic shapes (GPU; CPU times the reference only)
-    python benchmarks/kernels.py --quick         # tiny shapes, seconds on a CPU
-    TRITON_INTERPRET=1 python benchmarks/kernels.py --quick   # also the kernels, in Triton's interpreter
+    python benchmarks/kernel_timings.py                 # realistic shapes (GPU; CPU times the reference only)
+    python benchmarks/kernel_timings.py --quick         # tiny shapes, seconds on a CPU
+    TRITON_INTERPRET=1 python benchmarks/kernel_timings.py --quick   # also the kernel, in Triton's interpreter
 
 Prints a table and writes JSON (`--json`). Drafter head layouts: Qwen3-8B-DFlash-b16 (32 query
 heads, 8 KV heads, head_dim 128) and gemma-4-31B-it-DFlash (64 / 8 / 128); block size 16; cached
-context 1k-32k. Verification: 15 drafts over the Qwen3 (151,936) and Gemma (262,144) vocabularies.
+context 1k-32k.
 """
 
 import argparse
 import json
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 
-# Run as a script, this file's folder is sys.path[0], where `import kernels` (the library
-# dflash_hf loads the kernels with) would find this very file: swap it for the repository root.
-_HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != _HERE]
-sys.path.insert(0, str(_HERE.parent))
-
-from dflash_hf.generation.verification import sampling_noise  # noqa: E402
-from dflash_hf.kernels import (  # noqa: E402
-    block_attention_reference,
-    greedy_verify_reference,
-    load_kernels,
-    rejection_verify_reference,
-)
-from dflash_hf.kernels.loader import interpreting  # noqa: E402
+from dflash_hf.kernels import block_attention_reference, load_kernels
+from dflash_hf.kernels.loader import interpreting
 
 LAYOUTS = {"qwen3-8b-dflash": (32, 8, 128), "gemma-4-31b-it-dflash": (64, 8, 128)}
 CONTEXTS = (1024, 4096, 8192, 16384, 32768)
-VOCABS = {"qwen3": 151936, "gemma4": 262144}
 QUICK_LAYOUTS = {"tiny-gqa4": (8, 2, 64)}
 QUICK_CONTEXTS = (64, 256)
-QUICK_VOCABS = {"tiny": 4096}
 
 
 def _timer(device: torch.device, repeats: int):
@@ -79,34 +64,13 @@ def _attention_rows(kernels, layouts, contexts, block, window, dtype, device, me
             yield row
 
 
-def _verification_rows(kernels, vocabs, k, device, measure):
-    for name, vocab in vocabs.items():
-        logits = torch.randn(1, k + 1, vocab, device=device)
-        drafts = logits[:, :k].argmax(dim=-1)
-        row = dict(op="greedy_verify", shape=f"{name} vocab={vocab} k={k}",
-                   reference_ms=measure(lambda: greedy_verify_reference(drafts, logits)))
-        if kernels is not None:
-            row["kernel_ms"] = measure(lambda: kernels.greedy_verify(drafts, logits))
-        yield row
-
-        p = logits.softmax(dim=-1)
-        q = torch.nn.functional.one_hot(drafts, vocab).float()
-        uniform, exponential = sampling_noise(1, k, vocab, device=device)
-        args = (drafts, q, p, uniform, exponential)
-        row = dict(op="rejection_verify", shape=f"{name} vocab={vocab} k={k}",
-                   reference_ms=measure(lambda: rejection_verify_reference(*args)))
-        if kernels is not None:
-            row["kernel_ms"] = measure(lambda: kernels.rejection_verify(*args))
-        yield row
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
     parser.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16"])
     parser.add_argument("--window", type=int, default=None, help="sliding window for the attention rows")
     parser.add_argument("--repeats", type=int, default=None)
-    parser.add_argument("--json", default="kernels_benchmark.json", help="where to write the results")
+    parser.add_argument("--json", default="kernel_timings.json", help="where to write the results")
     args = parser.parse_args()
 
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -126,14 +90,12 @@ def main() -> None:
     if note:
         print(f"note: {note}")
 
-    layouts, contexts, vocabs = (QUICK_LAYOUTS, QUICK_CONTEXTS, QUICK_VOCABS) if args.quick else (LAYOUTS, CONTEXTS, VOCABS)
+    layouts, contexts = (QUICK_LAYOUTS, QUICK_CONTEXTS) if args.quick else (LAYOUTS, CONTEXTS)
     repeats = args.repeats or (3 if args.quick or device.type == "cpu" else 50)
     measure = _timer(device, repeats)
     rows = []
     with torch.inference_mode():
         for row in _attention_rows(kernels, layouts, contexts, 16, args.window, dtype, device, measure):
-            rows.append(row)
-        for row in _verification_rows(kernels, vocabs, 15, device, measure):
             rows.append(row)
 
     print(f"\n{'op':<17} {'shape':<52} {'reference ms':>13} {'kernel ms':>10} {'speedup':>8}")
