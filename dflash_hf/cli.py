@@ -1,10 +1,11 @@
-"""`dflash-hf` command line: `demo`, `train`, `bench` and `check` (each subcommand is a `(help,
-add_arguments, run)` entry in `COMMANDS`).
+"""`dflash-hf` command line: `demo`, `train`, `bench`, `check` and `export` (each subcommand is a
+`(help, arguments, run)` entry in `COMMANDS`).
 
     dflash-hf train --target smollm2 --output-dir runs/smollm2-dflash
     dflash-hf bench --target smollm2 --drafter runs/smollm2-dflash --prompts humaneval:20
     dflash-hf check Qwen/Qwen3-8B z-lab/Qwen3-8B-DFlash-b16
     dflash-hf demo --drafter runs/smollm2-dflash
+    dflash-hf export runs/smollm2-dflash smollm2-dflash-hub --base-model HuggingFaceTB/SmolLM2-135M-Instruct
 """
 
 from __future__ import annotations
@@ -240,12 +241,33 @@ def run_check(args: argparse.Namespace) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------------- export
+def add_export_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("drafter", help="DFlash drafter folder or Hub id")
+    parser.add_argument("output_dir", help="where to write the Hub-ready folder")
+    parser.add_argument("--base-model", default=None, help="the target's Hub id (model card metadata and usage)")
+    parser.add_argument("--push", default=None, metavar="ORG/NAME", help="upload the folder to this Hub repository")
+    parser.add_argument("--private", action="store_true", help="create the Hub repository private")
+
+
+def run_export(args: argparse.Namespace) -> int:
+    from .export import export, push
+
+    folder = export(args.drafter, args.output_dir, base_model=args.base_model, repo_id=args.push)
+    print(f"exported to {folder}: config.json, model.safetensors, modeling_dflash.py, custom_generate/, README.md")
+    if args.push:
+        print(f"uploaded: {push(folder, args.push, private=args.private)}")
+    return 0
+
+
 COMMANDS = {
     "train": ("distill a DFlash drafter for a causal LM target", (TrainRunArguments, "TrainConfig"), run_train),
     "bench": ("plain greedy generate vs DFlash on the same prompts", add_bench_arguments, run_bench),
     "check": ("whether a target and a DFlash drafter fit together (configs only)", add_check_arguments, run_check),
     "demo": ("stream a DFlash answer to a coding request and compare with plain generate", add_demo_arguments,
              run_demo),
+    "export": ("write a Hub-ready drafter folder (z-lab checkpoint + custom_generate) and optionally push it",
+               add_export_arguments, run_export),
 }
 
 

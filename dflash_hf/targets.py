@@ -5,10 +5,14 @@ embedding module, so it is applied to every block position, masks included) and 
 logits get the target's `final_logit_softcapping`, as Gemma's target logits do).
 """
 
-import torch
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
 from transformers import PreTrainedModel
 
-from .modeling_dflash import DFlashDraftModel
+if TYPE_CHECKING:  # only for annotations: `dflash-hf export` copies this file into a standalone generate.py
+    from .modeling_dflash import DFlashDraftModel
 
 
 def text_config(target: PreTrainedModel):
@@ -20,17 +24,9 @@ def logit_softcap(target: PreTrainedModel) -> float | None:
     return getattr(text_config(target), "final_logit_softcapping", None)
 
 
-def apply_softcap(logits: torch.Tensor, softcap: float | None) -> torch.Tensor:
-    if softcap is None:
-        return logits
-    return torch.tanh(logits / softcap) * softcap
-
-
 def is_dflash_drafter(model) -> bool:
     """A DFlash drafter: ours, the same class loaded as remote code, or any model whose config says
     `block_size`, `mask_token_id` and `target_layer_ids` (transformers' own DFlash drafters)."""
-    if isinstance(model, DFlashDraftModel):
-        return True
     config = getattr(model, "config", None)
     return all(getattr(config, name, None) is not None for name in ("block_size", "mask_token_id", "target_layer_ids"))
 
