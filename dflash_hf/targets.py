@@ -25,9 +25,12 @@ def logit_softcap(target: PreTrainedModel) -> float | None:
 
 
 def is_dflash_drafter(model) -> bool:
-    """A DFlash drafter: ours, the same class loaded as remote code, or any model whose config says
-    `block_size`, `mask_token_id` and `target_layer_ids` (transformers' own DFlash drafters)."""
+    """A DFlash drafter: ours, the same class loaded as remote code (a config with `dflash_config`, even
+    an incomplete one, so that `check_compatible` can say what is missing), or any model whose config
+    says `block_size`, `mask_token_id` and `target_layer_ids` (transformers' own DFlash drafters)."""
     config = getattr(model, "config", None)
+    if getattr(config, "block_size", None) is not None and getattr(config, "dflash_config", None) is not None:
+        return True
     return all(getattr(config, name, None) is not None for name in ("block_size", "mask_token_id", "target_layer_ids"))
 
 
