@@ -251,13 +251,37 @@ def add_export_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--base-model", default=None, help="the target's Hub id (model card metadata and usage)")
     parser.add_argument("--push", default=None, metavar="ORG/NAME", help="upload the folder to this Hub repository")
     parser.add_argument("--private", action="store_true", help="create the Hub repository private")
+    parser.add_argument("--chat-mode", choices=sorted(CHAT_MODES), default=None, help=(
+        "the chat mode the drafter's training prompts were rendered in (recorded as dflash_config."
+        "chat_template_kwargs; default: keep what the drafter's config says)"))
+    parser.add_argument("--tokenizer", default=None, help=(
+        "the target's tokenizer (folder or Hub id; default: --base-model) for the <think>/</think> ids with which "
+        "generate warns about prompts rendered in the other chat mode"))
+
+
+CHAT_MODES = {"thinking": {"enable_thinking": True}, "non-thinking": {"enable_thinking": False}}
 
 
 def run_export(args: argparse.Namespace) -> int:
     from .export import export, push
 
-    folder = export(args.drafter, args.output_dir, base_model=args.base_model, repo_id=args.push)
+    chat_kwargs, tokenizer = CHAT_MODES.get(args.chat_mode), None
+    if chat_kwargs is not None and (args.tokenizer or args.base_model):
+        from transformers import AutoTokenizer
+
+        try:
+            tokenizer = AutoTokenizer.from_pretrained(args.tokenizer or args.base_model)
+        except (OSError, ValueError) as error:
+            if args.tokenizer:
+                raise
+            print(f"no tokenizer for {args.base_model} ({type(error).__name__}); pass --tokenizer", file=sys.stderr)
+    folder = export(args.drafter, args.output_dir, base_model=args.base_model, repo_id=args.push,
+                    chat_template_kwargs=chat_kwargs, tokenizer=tokenizer)
     print(f"exported to {folder}: config.json, model.safetensors, modeling_dflash.py, custom_generate/, README.md")
+    if chat_kwargs is not None:
+        recorded = json.loads((folder / "config.json").read_text())["dflash_config"]
+        print(f"chat mode: {recorded['chat_template_kwargs']}; prompt check "
+              + ("on" if "think_token_ids" in recorded else "off (no <think>/</think> tokens found)"))
     if args.push:
         print(f"uploaded: {push(folder, args.push, private=args.private)}")
     return 0

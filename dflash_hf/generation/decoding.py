@@ -19,6 +19,7 @@ import copy
 import functools
 import inspect
 import time
+import warnings
 import weakref
 from dataclasses import dataclass, field
 
@@ -33,6 +34,9 @@ from .candidate_generator import ADAPTIVE, DFlashCandidateGenerator, check_setti
 _SETTINGS = "_dflash_settings"  # where enable() keeps its options, in the instance's __dict__
 DEFAULTS = {"proposal": "sample", "verify_length": ADAPTIVE, "lookup": None}
 _UNSET = object()
+# Prompt tokens searched for a chat template's think markers: Qwen3's enable_thinking=False generation prompt
+# ends with `<think>\n\n</think>\n\n` (4 tokens), room is left for a prefilled start of the answer.
+CHAT_MODE_WINDOW = 16
 
 
 @dataclass
@@ -243,10 +247,40 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
         raise ValueError("DFlash needs a prompt of at least one token (the drafter drafts from the target's context).")
     if model_kwargs.get("cache") is None:
         raise ValueError("DFlash needs the target's cache; drop use_cache=False.")
+    if (mismatch := chat_mode_mismatch(drafter, input_ids)) is not None:
+        warnings.warn(mismatch, UserWarning, stacklevel=2)
     generator = DFlashCandidateGenerator(model, drafter, generation_config, logits_processor, **settings)
     # Linear-attention and sliding-window layers keep the states of the last tokens, to roll back to.
     model_kwargs["cache"].activate_past_recording(recurrent_states_to_keep=generator.num_drafting_tokens)
     return generator
+
+
+def chat_mode_mismatch(drafter, input_ids: torch.LongTensor) -> str | None:
+    """The warning for a prompt rendered in another chat mode than the drafter's training prompts, else None.
+
+    Needs the drafter config's `dflash_config.chat_template_kwargs.enable_thinking` and `think_token_ids`
+    (`DFlashConfig.set_chat_mode`); without them nothing is checked. A prompt counts as rendered without
+    thinking when the last think marker among its last `CHAT_MODE_WINDOW` tokens is `</think>` (the empty
+    block `enable_thinking=False` templates put before the answer), else as rendered with thinking. Mismatched
+    modes cost acceptance, never correctness.
+    """
+    dflash_config = getattr(getattr(drafter, "config", None), "dflash_config", None)
+    if not isinstance(dflash_config, dict) or input_ids.shape[-1] == 0:
+        return None
+    thinking = (dflash_config.get("chat_template_kwargs") or {}).get("enable_thinking")
+    think_ids = dflash_config.get("think_token_ids")
+    if not isinstance(thinking, bool) or not think_ids:
+        return None
+    open_id, close_id = think_ids
+    tail = input_ids[0, -CHAT_MODE_WINDOW:].tolist()  # one small copy per call
+    last_marker = next((token for token in reversed(tail) if token in (open_id, close_id)), None)
+    if (last_marker != close_id) == thinking:
+        return None
+    seen = ("ends with a closed <think></think> block, as enable_thinking=False renders it" if thinking else
+            "does not end with the empty <think></think> block that enable_thinking=False puts before the answer")
+    return (f"This DFlash drafter was trained on prompts rendered with enable_thinking={thinking}, and this prompt "
+            f"{seen}: fewer drafts will be accepted (the output is unchanged). Render prompts with "
+            f"tokenizer.apply_chat_template(..., enable_thinking={thinking}).")
 
 
 def _extend(model_kwargs: dict, num_tokens: int) -> dict:

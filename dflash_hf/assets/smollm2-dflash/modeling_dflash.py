@@ -91,7 +91,11 @@ class DFlashConfig(Qwen3Config):
             Decoder layers of the target the drafter was trained against.
         dflash_config (`dict`, *optional*):
             `{"mask_token_id": int, "target_layer_ids": list[int]}` as the z-lab checkpoints store it.
-            `target_layer_ids` is derived the reference way when absent.
+            `target_layer_ids` is derived the reference way when absent. Two optional keys (vLLM, SGLang
+            and z-lab's code read only the keys they know) record the chat mode the drafter was trained
+            in: `chat_template_kwargs` (e.g. `{"enable_thinking": false}`, what the training prompts were
+            rendered with) and `think_token_ids` (`[<think> id, </think> id]` of the target's tokenizer),
+            with which a DFlash `generate` warns once when a prompt was rendered in the other mode.
     """
 
     model_type = "dflash"
@@ -127,6 +131,7 @@ class DFlashConfig(Qwen3Config):
         mask_token_id: int | None = None,
         tokenizer=None,
         target_layer_ids: list[int] | None = None,
+        chat_template_kwargs: dict | None = None,
         **overrides,
     ) -> "DFlashConfig":
         """A config for a new drafter of `target` (a model or its config): the target's layer shape
@@ -136,6 +141,8 @@ class DFlashConfig(Qwen3Config):
             mask_token_id (`int`, *optional*): an existing id of the target's vocabulary; found in
                 `tokenizer` by `find_mask_token_id` when not given.
             target_layer_ids (`list[int]`, *optional*): default `design_target_layer_ids` (distinct taps).
+            chat_template_kwargs (`dict`, *optional*): what the training prompts are rendered with (e.g.
+                `{"enable_thinking": False}`), recorded with `set_chat_mode` (`tokenizer` finds the think ids).
             overrides: any other config field (e.g. `layer_types`, `sliding_window`).
         """
         config = getattr(target, "config", target)
@@ -182,11 +189,43 @@ class DFlashConfig(Qwen3Config):
             pad_token_id=getattr(cfg, "pad_token_id", None),
         )
         kwargs.update(overrides)
-        return cls(**kwargs)
+        config = cls(**kwargs)
+        if chat_template_kwargs is not None:
+            config.set_chat_mode(chat_template_kwargs, tokenizer)
+        return config
 
     @property
     def mask_token_id(self) -> int | None:
         return self.dflash_config.get("mask_token_id")
+
+    @property
+    def chat_template_kwargs(self) -> dict:
+        """What the training prompts were rendered with (`{}`: unknown)."""
+        return dict(self.dflash_config.get("chat_template_kwargs") or {})
+
+    @property
+    def think_token_ids(self) -> list[int] | None:
+        """`[<think> id, </think> id]` of the target's tokenizer, when recorded."""
+        ids = self.dflash_config.get("think_token_ids")
+        return list(ids) if ids else None
+
+    def set_chat_mode(self, chat_template_kwargs: dict | None, tokenizer=None, think_token_ids=None) -> None:
+        """Records the chat mode the drafter was trained in (`chat_template_kwargs`, e.g.
+        `{"enable_thinking": False}`; None forgets it) and the ids of `<think>`/`</think>` (given, or looked up
+        in `tokenizer`; left out when it has no such tokens), which the prompt check of `generate` needs."""
+        update = {}
+        if chat_template_kwargs is not None:
+            if think_token_ids is None and tokenizer is not None:
+                vocab = tokenizer.get_vocab()
+                think_token_ids = [vocab.get("<think>"), vocab.get("</think>")]
+                think_token_ids = None if None in think_token_ids else think_token_ids
+            update["chat_template_kwargs"] = dict(chat_template_kwargs)
+            if think_token_ids is not None:
+                update["think_token_ids"] = list(think_token_ids)
+            _check_dflash_config(update)
+        for key in ("chat_template_kwargs", "think_token_ids"):
+            self.dflash_config.pop(key, None)
+        self.dflash_config.update(update)
 
     @property
     def target_layer_ids(self) -> list[int]:
@@ -491,6 +530,16 @@ def _check_dflash_config(dflash_config) -> None:
         not isinstance(ids, (list, tuple)) or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)
     ):
         raise ValueError(f"dflash_config.target_layer_ids must be a list of ints, got {ids!r}; expected {expected}.")
+    kwargs = dflash_config.get("chat_template_kwargs")
+    if kwargs is not None and not (isinstance(kwargs, dict) and all(isinstance(k, str) for k in kwargs)):
+        raise ValueError(f"dflash_config.chat_template_kwargs must be a dict of chat template arguments (e.g. "
+                         f'{{"enable_thinking": false}}), got {kwargs!r}.')
+    think = dflash_config.get("think_token_ids")
+    if think is not None and not (
+        isinstance(think, (list, tuple)) and len(think) == 2
+        and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in think)
+    ):
+        raise ValueError(f"dflash_config.think_token_ids must be [<think> id, </think> id], got {think!r}.")
 
 
 def _is_weights_file_error(error: Exception) -> bool:
