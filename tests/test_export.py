@@ -202,6 +202,10 @@ def test_chat_mode_round_trip_and_checks(tmp_path):
         config.set_chat_mode({"enable_thinking": False}, think_token_ids=[1])
     with pytest.raises(ValueError, match="chat_template_kwargs"):
         DFlashConfig(**{**config.to_dict(), "dflash_config": {**config.dflash_config, "chat_template_kwargs": "no"}})
+    fresh = DFlashConfig.from_target(qwen3_target(), num_draft_layers=1, mask_token_id=63, tokenizer=think_tokenizer,
+                                     chat_template_kwargs={"enable_thinking": False})
+    assert fresh.chat_template_kwargs == {"enable_thinking": False}
+    assert fresh.think_token_ids == think_tokenizer.convert_tokens_to_ids(["<think>", "</think>"])
     # export records a mode on its copy of the config; the drafter passed in is unchanged
     export.export(model, tmp_path / "out", chat_template_kwargs={"enable_thinking": False}, tokenizer=think_tokenizer)
     assert model.config.chat_template_kwargs == {"enable_thinking": True}
