@@ -169,6 +169,22 @@ def test_observations_are_censored_at_the_verified_length():
     assert policy.seen[:3] == pytest.approx([decay * (decay + 1), decay * (decay + 1), 0])
 
 
+def test_a_position_never_verified_is_priced_like_the_ones_before_it():
+    # Only 3-draft steps so far, all accepted: positions 4..15 were never verified. Priced at the flat
+    # prior (0.75) they would keep the policy at short lengths forever; priced like position 3, the
+    # policy verifies longer runs and finds out.
+    policy = AdaptiveVerifyLength(15, FixedCosts(15, per_token=0.05))
+    for _ in range(50):
+        policy.observe(3, 3)
+    rates = policy.acceptance_rates()
+    assert min(rates[:3]) > 0.95 and min(rates[3:]) > 0.95
+    assert policy.best() == 15
+    # evidence still wins over the extrapolation: position 4 always rejected stops the run there
+    for _ in range(50):
+        policy.observe(6, 3)
+    assert policy.acceptance_rates()[3] < 0.1 and policy.best() == 3
+
+
 def test_limit_is_respected():
     policy = AdaptiveVerifyLength(7, FixedCosts(7, per_token=0.0))
     assert policy.choose(limit=3) == 3

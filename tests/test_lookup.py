@@ -42,6 +42,34 @@ def test_copies_need_fewer_forwards_than_the_useless_drafter_alone(looping):
     assert useless.last_stats.num_target_forwards < alone - 8
 
 
+def test_a_copy_is_verified_whole(looping, monkeypatch):
+    # prompt lookup verifies all it found; cutting a copy to a "best" length only adds forwards
+    target, prompt, script = looping
+    from dflash_hf.generation.candidate_generator import DFlashCandidateGenerator
+
+    found_and_verified = []
+    copy = DFlashCandidateGenerator._copy
+
+    def spy(self, input_ids, drafted, room):
+        found = self.lookup.get_candidates(input_ids)[0].shape[1] - input_ids.shape[1]
+        # as if copies here were often right for two tokens and then wrong: a "best length" would be 2
+        for _ in range(10):
+            self.copy_policy.observe(6, 2)
+        result = copy(self, input_ids, drafted, room)
+        if result is not None:
+            found_and_verified.append((min(found, room), result[0].shape[1] - input_ids.shape[1]))
+        return result
+
+    monkeypatch.setattr(DFlashCandidateGenerator, "_copy", spy)
+    useless = tiny.drafter(0, block_size=4)
+    out = dflash_hf.generate(target, prompt, max_new_tokens=40, do_sample=False, assistant_model=useless,
+                             prompt_lookup_num_tokens=6)
+    assert torch.equal(out, script)
+    assert len(found_and_verified) == useless.last_stats.copied_steps > 2
+    assert all(found == verified for found, verified in found_and_verified)
+    assert max(verified for _, verified in found_and_verified) == 6  # longer than the drafter's block
+
+
 def test_enable_setting_and_per_call_override(looping):
     target, prompt, script = looping
     target = dflash_hf.enable(tiny.qwen3_target(), lookup=6)
@@ -58,11 +86,11 @@ def test_policy_copies_only_when_the_copy_pays_more_than_drafting():
     for _ in range(20):  # drafts always fully accepted, copies always rejected at once
         drafts.observe(3, 3, 1.3)
         copies.observe(6, 0, 1.6)
-    assert drafts.rate(3) > copies.rate(copies.best(6, lowest=1))
+    assert drafts.rate(3) > copies.rate(6)
     for _ in range(40):  # now the reverse
         drafts.observe(3, 0, 1.3)
         copies.observe(6, 6, 1.6)
-    assert copies.rate(copies.best(6, lowest=1)) > drafts.rate(drafts.best(3))
+    assert copies.rate(6) > drafts.rate(drafts.best(3))
 
 
 def test_unobserved_copy_costs_are_priced_in_the_drafts_seconds():

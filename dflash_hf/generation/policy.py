@@ -97,9 +97,19 @@ class AdaptiveVerifyLength:
         self.probing = False
 
     def acceptance_rates(self) -> list[float]:
-        """P(draft k accepted | drafts 1..k-1 accepted), k = 1..max_drafts."""
+        """P(draft k accepted | drafts 1..k-1 accepted), k = 1..max_drafts.
+
+        The Beta prior of position k is centred on position k-1's estimate (position 1's on the prior's
+        mean): a position rarely verified is priced like the ones before it. With a flat prior a policy
+        that has verified only short runs would price every longer one at the prior's rate and never
+        verify it to find out (copied runs, accepted whole or not at all, stayed at 5 of 10 tokens).
+        """
         a, b = self.prior
-        return [(acc + a) / (seen + a + b) for acc, seen in zip(self.accepted, self.seen)]
+        rate, rates = a / (a + b), []
+        for acc, seen in zip(self.accepted, self.seen):
+            rate = (acc + (a + b) * rate) / (seen + a + b)
+            rates.append(rate)
+        return rates
 
     def expected_tokens(self) -> list[float]:
         """E(n), n = 0..max_drafts: tokens committed by a step that verifies n drafts."""
