@@ -70,6 +70,35 @@ def test_a_copy_is_verified_whole(looping, monkeypatch):
     assert max(verified for _, verified in found_and_verified) == 6  # longer than the drafter's block
 
 
+def test_copies_passed_over_are_still_scored_so_copying_resumes(looping, monkeypatch):
+    # The copy statistics start as if every copy had failed at once (as on prose before the text
+    # repeats): the policy passes copies over, but scores them against what the target then commits,
+    # and copies again once they would have been accepted.
+    target, prompt, _ = looping
+    from dflash_hf.generation.candidate_generator import DFlashCandidateGenerator
+
+    copy = DFlashCandidateGenerator._copy
+
+    def pessimistic(self, input_ids, drafted, room):
+        if not getattr(self, "seeded", False):
+            self.seeded = True
+            for _ in range(40):
+                self.copy_policy.observe(6, 0)
+        return copy(self, input_ids, drafted, room)
+
+    monkeypatch.setattr(DFlashCandidateGenerator, "_copy", pessimistic)
+    useless = tiny.drafter(0, block_size=4)
+    script = target.generate(prompt, max_new_tokens=60, do_sample=False)
+    out = dflash_hf.generate(target, prompt, max_new_tokens=60, do_sample=False, assistant_model=useless,
+                             prompt_lookup_num_tokens=6)
+    assert torch.equal(out, script)
+    stats = useless.last_stats
+    assert stats.copied_steps >= 3 and stats.copied_accepted_tokens >= 10
+    # and the copies it did verify came after copies it had passed over
+    first_copy = next(i for i, n in enumerate(stats.verify_lengths) if n > 3)
+    assert first_copy > 0
+
+
 def test_enable_setting_and_per_call_override(looping):
     target, prompt, script = looping
     target = dflash_hf.enable(tiny.qwen3_target(), lookup=6)

@@ -110,6 +110,9 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         if lookup is not None and verify_length == ADAPTIVE:
             costs = StepCosts(lookup, draft=0.0, fallback=self.policy.costs if self.policy is not None else None)
             self.copy_policy = AdaptiveVerifyLength(lookup, costs)
+        # Copies found but not verified, as (position, tokens): scored against the tokens the target
+        # commits next, so that the copy statistics keep learning while copies are passed over.
+        self.unverified_copies: list[tuple[int, torch.LongTensor]] = []
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -169,6 +172,7 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         if self.copy_policy is not None:
             drafting = self.policy.rate(drafted) if self.policy is not None else 0.0
             if self.copy_policy.rate(available) < drafting:
+                self.unverified_copies.append((input_ids.shape[1], found[0]))
                 return None
         self.num_drafts, self.copied = found.shape[1], True
         scores = None
@@ -252,6 +256,25 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
                 self.policy.fade()
         elif self.policy is not None:
             self.policy.observe(self.num_drafts, int(num_matches), seconds)
+        if self.unverified_copies:
+            self._score_unverified_copies(input_ids)
+
+    def _score_unverified_copies(self, input_ids: torch.LongTensor) -> None:
+        """Scores each copy passed over as if it had been verified, once the target has committed enough
+        tokens to tell (its first mismatch, or all its length). Without this a copy policy that learnt
+        early that copies fail would never verify one again, even where the text starts to repeat. The
+        score is what verification would have given: under greedy decoding exactly; under sampling a
+        copied token matches the target's sample with probability p(token), which is also the chance
+        that rejection sampling accepts it (q one-hot)."""
+        pending = []
+        for start, copy in self.unverified_copies:
+            seen = min(copy.shape[0], input_ids.shape[1] - start)
+            matches = int((copy[:seen] == input_ids[0, start : start + seen]).long().cumprod(dim=0).sum())
+            if matches < seen or seen == copy.shape[0]:
+                self.copy_policy.observe(copy.shape[0], matches)  # no seconds: nothing was run
+            else:
+                pending.append((start, copy))
+        self.unverified_copies = pending
 
 
 __all__ = ["ADAPTIVE", "DFlashCandidateGenerator", "PROPOSALS", "check_settings"]
