@@ -73,6 +73,17 @@ def shipped_tau() -> float:
     return json.loads(metrics.read_text()).get("eval", {}).get("mean_tau", 0.0)
 
 
+def ship_in_bfloat16(folder: Path) -> None:
+    """Training keeps float32 weights; the package ships bfloat16 (half the size; the drafter runs in the
+    target's dtype anyway, bf16 on the CPUs this targets)."""
+    import torch
+
+    from dflash_hf.modeling_dflash import DFlashDraftModel
+
+    drafter = DFlashDraftModel.from_pretrained(folder, dtype=torch.bfloat16)
+    drafter.save_pretrained(folder)
+
+
 def latest_step(output_dir: Path) -> int:
     steps = [int(p.name.split("-")[1]) for p in (output_dir / "checkpoints").glob("step-*")]
     return max(steps, default=0)
@@ -113,6 +124,7 @@ def main(argv=None) -> int:
                 source = output_dir / name
                 if source.exists():
                     shutil.copy2(source, ASSETS / name)
+            ship_in_bfloat16(ASSETS)
             print(f"shipped to {ASSETS} (tau {tau:.3f})", flush=True)
     return 0
 

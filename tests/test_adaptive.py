@@ -138,7 +138,10 @@ def test_starts_optimistic_then_stops_drafting_a_useless_drafter_and_probes_with
     gaps = [b - a for a, b in zip(drafted, drafted[1:])][-4:]
     assert gaps == sorted(gaps) and gaps[-1] == 129  # probe interval doubled up to its maximum
     first_plain = choices.index(0)
-    assert all(choices[i] == 1 for i in drafted if i > first_plain)  # probes verify a single draft
+    probes = [choices[i] for i in drafted if i > first_plain]
+    # a probe verifies what drafting would verify now, not one draft: after 128 plain steps the faded
+    # statistics are back near the prior, and the probe checks the whole block
+    assert all(n >= 2 for n in probes) and probes[-3:] == [7, 7, 7]
     assert choices[-1] == 0
 
 

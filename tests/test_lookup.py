@@ -125,6 +125,6 @@ def test_policy_copies_only_when_the_copy_pays_more_than_drafting():
 def test_unobserved_copy_costs_are_priced_in_the_drafts_seconds():
     drafts = StepCosts(3)
     drafts.observe(0, 0.05)  # a plain step took 50 ms
-    copies = StepCosts(6, draft=0.0, fallback=drafts)
+    copies = StepCosts(6, draft=0.0, per_draft=0.1, fallback=drafts)
     assert copies.seconds()[0] == pytest.approx(0.05)
     assert copies.seconds()[2] == pytest.approx(0.05 * (1 + 0.1 * 2))

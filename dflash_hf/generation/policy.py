@@ -6,7 +6,7 @@ plain decoding step, no drafter). `S_k` is the product of per position acceptanc
 from this call's recent steps (exponentially forgotten, so a switch from code to prose shows within a
 few steps) under a Beta prior. The step costs are learnt from this call's own steps (`StepCosts`): no
 call measures anything before its first token. When no `n > 0` pays, the policy decodes plainly and
-probes a one-draft step again after 8, 16, 32, ... 128 plain steps (the statistics keep fading
+probes a drafted step again after 8, 16, 32, ... 128 plain steps (the statistics keep fading
 meanwhile, so a probe on text that became easy resumes drafting at once), so a useless drafter costs
 almost nothing and a drafter that becomes useful again is noticed.
 
@@ -29,14 +29,14 @@ class StepCosts:
     Args:
         max_drafts (`int`): the longest verify length.
         draft (`float`, defaults to 0.3): prior cost of the drafter's step, in plain steps.
-        per_draft (`float`, defaults to 0.1): prior extra cost of each verified draft, in plain steps
+        per_draft (`float`, defaults to 0.05): prior extra cost of each verified draft, in plain steps
             (measured on 2 CPU cores for SmolLM2-135M: 0.03 in bf16, 0.06 in fp32; on a GPU less).
         memory (`float`, defaults to 8): observations over which a mean forgets (by `1/e`).
         fallback (`StepCosts`, *optional*): another kind of step's costs (same seconds), whose scale
             prices this one's lengths until it has seen a step of its own.
     """
 
-    def __init__(self, max_drafts: int, draft: float = 0.3, per_draft: float = 0.1, memory: float = 8.0,
+    def __init__(self, max_drafts: int, draft: float = 0.3, per_draft: float = 0.05, memory: float = 8.0,
                  fallback: "StepCosts | None" = None):
         self.prior = [1.0] + [1.0 + draft + per_draft * n for n in range(1, max_drafts + 1)]
         self.weight = 1.0 / memory
@@ -144,10 +144,13 @@ class AdaptiveVerifyLength:
         if self.plain_steps < self.probe_interval:
             self.plain_steps += 1
             return 0
-        # Probe with the cheapest drafted step: one draft tells whether position 1 is accepted again;
-        # `observe` decides whether drafting resumes (and then the policy picks the length again).
+        # Probe with the length drafting would use now (the statistics have faded towards the prior
+        # meanwhile): the drafter's forward is most of a drafted step's cost, so a one-draft probe saves
+        # little, and it tells nothing about positions 2.. nor about the cost of longer steps (on
+        # SmolLM2, bf16, one-draft probes failed four times in a row on a prompt where drafting the whole
+        # block paid 1.12x). `observe` decides whether drafting resumes.
         self.plain_steps, self.probing = 0, True
-        return 1
+        return self.best(limit, lowest=1)
 
     def fade(self) -> None:
         """A step of another kind (a copied run) took this one's place: statistics fade, and a probe that
