@@ -112,7 +112,7 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             self.copy_policy = AdaptiveVerifyLength(lookup, costs)
         # Copies found but not verified, as (position, tokens): scored against the tokens the target
         # commits next, so that the copy statistics keep learning while copies are passed over.
-        self.unverified_copies: list[tuple[int, torch.LongTensor]] = []
+        self.unverified_copies: list[tuple[int, list[int]]] = []
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -172,7 +172,7 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         if self.copy_policy is not None:
             drafting = self.policy.rate(drafted) if self.policy is not None else 0.0
             if self.copy_policy.rate(available) < drafting:
-                self.unverified_copies.append((input_ids.shape[1], found[0]))
+                self.unverified_copies.append((input_ids.shape[1], found[0].tolist()))
                 return None
         self.num_drafts, self.copied = found.shape[1], True
         scores = None
@@ -266,12 +266,14 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         score is what verification would have given: under greedy decoding exactly; under sampling a
         copied token matches the target's sample with probability p(token), which is also the chance
         that rejection sampling accepts it (q one-hot)."""
+        first = self.unverified_copies[0][0]
+        committed = input_ids[0, first:].tolist()  # one host sync for all of them
         pending = []
         for start, copy in self.unverified_copies:
-            seen = min(copy.shape[0], input_ids.shape[1] - start)
-            matches = int((copy[:seen] == input_ids[0, start : start + seen]).long().cumprod(dim=0).sum())
-            if matches < seen or seen == copy.shape[0]:
-                self.copy_policy.observe(copy.shape[0], matches)  # no seconds: nothing was run
+            since = committed[start - first :][: len(copy)]
+            matches = next((i for i, (a, b) in enumerate(zip(copy, since)) if a != b), len(since))
+            if matches < len(since) or len(since) == len(copy):
+                self.copy_policy.observe(len(copy), matches)  # no seconds: nothing was run
             else:
                 pending.append((start, copy))
         self.unverified_copies = pending

@@ -146,9 +146,8 @@ class AdaptiveVerifyLength:
             return 0
         # Probe with the length drafting would use now (the statistics have faded towards the prior
         # meanwhile): the drafter's forward is most of a drafted step's cost, so a one-draft probe saves
-        # little, and it tells nothing about positions 2.. nor about the cost of longer steps (on
-        # SmolLM2, bf16, one-draft probes failed four times in a row on a prompt where drafting the whole
-        # block paid 1.12x). `observe` decides whether drafting resumes.
+        # little, and it tells nothing about positions 2.. nor about the cost of longer steps.
+        # `observe` decides whether drafting resumes.
         self.plain_steps, self.probing = 0, True
         return self.best(limit, lowest=1)
 
