@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+import dflash_hf
 import tiny
 from dflash_hf import embedded
 from dflash_hf.modeling_dflash import DFlashDraftModel
@@ -45,7 +46,5 @@ def test_dry_run_on_a_tiny_target(tmp_path):
     target = tiny.qwen3_target()
     prompt = torch.tensor([[3, 4, 5, 6]])
     plain = target.generate(prompt, max_new_tokens=12, do_sample=False)
-    import dflash_hf
-
     assert torch.equal(dflash_hf.generate(target, prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter),
                        plain)

@@ -51,6 +51,18 @@ class _Tokenizer:
         return len(self.vocab)
 
 
+def test_shipped_remote_code_is_the_package_model():
+    # The shipped folder carries its own modeling_dflash.py (for trust_remote_code loads, vLLM, SGLang);
+    # it must be the package's current model, not an older copy left from the last training round.
+    shipped = embedded.DRAFTER_DIR / "modeling_dflash.py"
+    if not shipped.is_file():
+        pytest.skip("no drafter shipped")
+    source = importlib.util.find_spec("dflash_hf.modeling_dflash").origin
+    assert shipped.read_text() == open(source).read(), (
+        "dflash_hf/assets/smollm2-dflash/modeling_dflash.py differs from dflash_hf/modeling_dflash.py: re-save the "
+        "shipped drafter (DFlashDraftModel.from_pretrained(DRAFTER_DIR).save_pretrained(DRAFTER_DIR))")
+
+
 def test_find_mask_token_id():
     assert find_mask_token_id(_Tokenizer({"a": 0, "<empty_output>": 16, "b": 17}), vocab_size=18) == 16
     assert find_mask_token_id(_Tokenizer({"a": 0, "b": 1}, pad=1)) == 1
