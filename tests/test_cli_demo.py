@@ -28,3 +28,18 @@ def test_demo_without_a_shipped_drafter_says_how_to_get_one(monkeypatch, tmp_pat
     monkeypatch.setattr(embedded, "DRAFTER_DIR", tmp_path / "nothing")
     assert main(["demo", "--target", str(tmp_path / "target")]) == 2
     assert "dflash-hf train" in capsys.readouterr().err
+
+
+def test_demo_with_lookup_stays_identical_and_counts_copies(tmp_path, capsys):
+    target, tok = qwen3_target(), tokenizer()
+    target.save_pretrained(tmp_path / "target")
+    tok.save_pretrained(tmp_path / "target")
+    drafter(0, block_size=4).save_pretrained(tmp_path / "drafter")
+    # a prompt that repeats itself, so that the context offers copies
+    code = main(["demo", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                 "--prompt", "a b c a b c a b c a b c", "--max-new-tokens", "24", "--lookup", "5"])
+    out = capsys.readouterr().out
+    assert code == 0
+    copies = re.search(r"target forwards \((\d+) of them verified copies from the context\); speedup", out)
+    assert copies and int(copies.group(1)) > 0
+    assert re.search(r"identical output: True \(torch\.\w+\)$", out.rstrip())
