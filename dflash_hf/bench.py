@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 import os
 
-from .evaluation import ADAPTIVE, PromptSetMissing, encode_prompt, load_prompts, mean_tau, run_bench
+from .evaluation import ADAPTIVE, PromptSetMissing, encode_prompt, load_prompts, mean_tau, run_bench, same_text_summary
 
 def save_plot(result: dict, path: str | os.PathLike) -> bool:
     """Histogram + sweep figure; False (nothing written) when matplotlib is not installed."""
@@ -70,8 +70,16 @@ def format_summary(result: dict) -> str:
         if key.startswith(ADAPTIVE) and "mean_verify_length" in s:
             text += f"  [mean verify {s['mean_verify_length']:.2f}, plain steps {100 * s['plain_step_fraction']:.0f}%]"
         lines.append(text)
+    same = result.get("same_text")
+    if same is not None and result["num_prompts"]:
+        differ = ", ".join(f"{key} {n}" for key, n in same["differ_from_greedy"].items())
+        lines.append(f"  outputs differing from plain greedy (of {result['num_prompts']}): {differ}")
+        if same.get("speedup"):
+            speedups = ", ".join(f"{key} {x:.2f}x" for key, x in same["speedup"].items())
+            lines.append(f"  on the {same['num_prompts']} prompts where every run wrote plain greedy's text: {speedups}")
     lines.append("  acceptance histogram: " + json.dumps(result["overall"]["acceptance_histogram"]))
     return "\n".join(lines)
 
 
-__all__ = ["PromptSetMissing", "encode_prompt", "format_summary", "load_prompts", "mean_tau", "run_bench", "save_plot"]
+__all__ = ["PromptSetMissing", "encode_prompt", "format_summary", "load_prompts", "mean_tau", "run_bench", "same_text_summary",
+           "save_plot"]

@@ -121,6 +121,26 @@ def test_bench_with_lookup_runs_both_baselines_and_the_combined_proposal():
     assert result["sweep"]["adaptive+lookup"]["all_match_greedy"] and result["lookup"]["num_tokens"] == 6
     assert "prompt lookup alone" in bench.format_summary(result) and "vs lookup" in bench.format_summary(result)
 
+    same = result["same_text"]  # float32: every run is lossless, so every prompt counts
+    assert same["num_prompts"] == 1 and set(same["differ_from_greedy"].values()) == {0}
+    assert "where every run wrote plain greedy's text" in bench.format_summary(result)
+
+
+def test_same_text_speedups_leave_out_prompts_where_a_run_drifted():
+    def run(tokens, seconds, same=True):
+        return {"new_tokens": tokens, "seconds": seconds, "matches_greedy": same}
+
+    rows = [  # prompt 0: every run wrote greedy's text; prompt 1: lookup's drifted into a fast loop
+        {"baseline": run(100, 10.0), "lookup": run(100, 5.0), "dflash": {"7": run(100, 4.0), "adaptive": run(100, 8.0)}},
+        {"baseline": run(100, 10.0), "lookup": run(80, 1.0, same=False), "dflash": {"7": run(100, 2.0),
+                                                                                  "adaptive": run(100, 4.0)}},
+    ]
+    same = bench.same_text_summary(rows)
+    assert same["num_prompts"] == 1
+    assert same["differ_from_greedy"] == {"lookup": 1, "7": 0, "adaptive": 0}
+    assert same["speedup"] == pytest.approx({"lookup": 2.0, "7": 2.5, "adaptive": 1.25})
+    assert "speedup" not in bench.same_text_summary(rows[1:])  # no prompt left to compare on
+
 
 @pytest.mark.slow
 def test_edit_prompts_give_the_whole_function():
