@@ -5,7 +5,7 @@ import torch
 
 import dflash_hf
 import tiny
-from dflash_hf.generation.policy import AdaptiveVerifyLength, StepCosts
+from dflash_hf.generation.policy import AdaptiveVerifyLength, CopyPolicy, StepCosts
 
 
 @pytest.fixture(scope="module")
@@ -54,7 +54,7 @@ def test_a_copy_is_verified_whole(looping, monkeypatch):
         found = self.lookup.get_candidates(input_ids)[0].shape[1] - input_ids.shape[1]
         # as if copies here were often right for two tokens and then wrong: a "best length" would be 2
         for _ in range(10):
-            self.copy_policy.observe(6, 2)
+            self.copy_policy.stats.observe(6, 2)
         result = copy(self, input_ids, drafted, room)
         if result is not None:
             found_and_verified.append((min(found, room), result[0].shape[1] - input_ids.shape[1]))
@@ -83,7 +83,7 @@ def test_copies_passed_over_are_still_scored_so_copying_resumes(looping, monkeyp
         if not getattr(self, "seeded", False):
             self.seeded = True
             for _ in range(40):
-                self.copy_policy.observe(6, 0)
+                self.copy_policy.stats.observe(6, 0)
         return copy(self, input_ids, drafted, room)
 
     monkeypatch.setattr(DFlashCandidateGenerator, "_copy", pessimistic)
@@ -111,15 +111,30 @@ def test_enable_setting_and_per_call_override(looping):
 
 def test_policy_copies_only_when_the_copy_pays_more_than_drafting():
     drafts = AdaptiveVerifyLength(3, StepCosts(3))
-    copies = AdaptiveVerifyLength(6, StepCosts(6, draft=0.0, fallback=drafts.costs))
+    copies = CopyPolicy(6, drafts)
     for _ in range(20):  # drafts always fully accepted, copies always rejected at once
         drafts.observe(3, 3, 1.3)
-        copies.observe(6, 0, 1.6)
-    assert drafts.rate(3) > copies.rate(6)
+        copies.stats.observe(6, 0, 1.6)
+    assert not copies.pays(6, 3)
     for _ in range(40):  # now the reverse
         drafts.observe(3, 0, 1.3)
-        copies.observe(6, 6, 1.6)
-    assert copies.rate(6) > drafts.rate(drafts.best(3))
+        copies.stats.observe(6, 6, 1.6)
+    assert copies.pays(6, drafts.best(3))
+    assert CopyPolicy(6).pays(1, 0)  # without drafts a copy always beats the plain step
+
+
+def test_copies_passed_over_are_scored_as_verifying_them_would_have_been():
+    scored, verified = CopyPolicy(3), CopyPolicy(3)
+    scored.pass_over(10, [1, 2, 3])
+    scored.pass_over(11, [2, 3, 9])
+    scored.score_passed_over([1, 2])  # tokens 10 and 11 committed: neither outcome is known yet
+    assert [start for start, _ in scored.passed_over] == [10, 11]
+    scored.score_passed_over([1, 2, 3, 4])  # the first copy was right throughout, the second up to its third token
+    assert scored.passed_over == []
+    verified.observe(3, 3)
+    verified.observe(3, 2)
+    assert scored.stats.expected_tokens() == pytest.approx(verified.stats.expected_tokens())
+    assert scored.stats.costs.mean == [None] * 4  # nothing was run: no step cost observed
 
 
 def test_unobserved_copy_costs_are_priced_in_the_drafts_seconds():

@@ -19,7 +19,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator, PromptLookupCandidateGenerator
 
 from ..targets import logit_softcap
-from .policy import AdaptiveVerifyLength, StepCosts
+from .policy import AdaptiveVerifyLength, CopyPolicy
 
 # How drafts are proposed under `do_sample=True` (all three are lossless):
 # - "sample": a draw from the drafter's q; rejection sampling accepts it with prob min(1, p(d) / q(d)).
@@ -106,13 +106,7 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
                 vocab_size=self.main_model_output_embeddings.weight.shape[0],
             )
         # Copied runs accept very differently from drafts: their own statistics, and no drafter in their cost.
-        self.copy_policy = None
-        if lookup is not None and verify_length == ADAPTIVE:
-            costs = StepCosts(lookup, draft=0.0, fallback=self.policy.costs if self.policy is not None else None)
-            self.copy_policy = AdaptiveVerifyLength(lookup, costs)
-        # Copies found but not verified, as (position, tokens): scored against the tokens the target
-        # commits next, so that the copy statistics keep learning while copies are passed over.
-        self.unverified_copies: list[tuple[int, list[int]]] = []
+        self.copy_policy = CopyPolicy(lookup, self.policy) if lookup is not None and verify_length == ADAPTIVE else None
 
     @property
     def num_drafting_tokens(self) -> int:
@@ -169,11 +163,9 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         # not at all, and each extra verified token costs little, so the policy only decides whether
         # the copy beats the DFlash block (or a plain step). Cutting copies to the length with the best
         # estimated rate cost 4-8 more forwards per 128 tokens on edits (fp32, same output).
-        if self.copy_policy is not None:
-            drafting = self.policy.rate(drafted) if self.policy is not None else 0.0
-            if self.copy_policy.rate(available) < drafting:
-                self.unverified_copies.append((input_ids.shape[1], found[0].tolist()))
-                return None
+        if self.copy_policy is not None and not self.copy_policy.pays(available, drafted):
+            self.copy_policy.pass_over(input_ids.shape[1], found[0].tolist())
+            return None
         self.num_drafts, self.copied = found.shape[1], True
         scores = None
         if self.do_sample and self.proposal != "match":  # a deterministic proposal: q one-hot at the copy
@@ -250,33 +242,13 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         """After each target forward but the prefill: `num_matches` drafts were committed, the step
         (drafting and verifying) took `seconds`."""
         if self.copied:
-            if self.copy_policy is not None:
+            if self.copy_policy is not None:  # (and with it the draft policy, if any: both need "adaptive")
                 self.copy_policy.observe(self.num_drafts, int(num_matches), seconds)
-            if self.policy is not None:
-                self.policy.fade()
         elif self.policy is not None:
             self.policy.observe(self.num_drafts, int(num_matches), seconds)
-        if self.unverified_copies:
-            self._score_unverified_copies(input_ids)
-
-    def _score_unverified_copies(self, input_ids: torch.LongTensor) -> None:
-        """Scores each copy passed over as if it had been verified, once the target has committed enough
-        tokens to tell (its first mismatch, or all its length). Without this a copy policy that learnt
-        early that copies fail would never verify one again, even where the text starts to repeat. The
-        score is what verification would have given: under greedy decoding exactly; under sampling a
-        copied token matches the target's sample with probability p(token), which is also the chance
-        that rejection sampling accepts it (q one-hot)."""
-        first = self.unverified_copies[0][0]
-        committed = input_ids[0, first:].tolist()  # one host sync for all of them
-        pending = []
-        for start, copy in self.unverified_copies:
-            since = committed[start - first :][: len(copy)]
-            matches = next((i for i, (a, b) in enumerate(zip(copy, since)) if a != b), len(since))
-            if matches < len(since) or len(since) == len(copy):
-                self.copy_policy.observe(len(copy), matches)  # no seconds: nothing was run
-            else:
-                pending.append((start, copy))
-        self.unverified_copies = pending
+        if self.copy_policy is not None and self.copy_policy.passed_over:
+            first = self.copy_policy.passed_over[0][0]
+            self.copy_policy.score_passed_over(input_ids[0, first:].tolist())  # one host sync for all of them
 
 
 __all__ = ["ADAPTIVE", "DFlashCandidateGenerator", "PROPOSALS", "check_settings"]

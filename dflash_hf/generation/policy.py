@@ -180,4 +180,61 @@ class AdaptiveVerifyLength:
                 self.probe_interval = min(2 * self.probe_interval, self.max_probe_interval)
 
 
-__all__ = ["AdaptiveVerifyLength", "StepCosts"]
+class CopyPolicy:
+    """Whether a run copied from the context is verified instead of the DFlash block (or a plain step).
+
+    Copied runs accept very differently from drafts (mostly whole or not at all), so they have their own
+    statistics, and step costs without the drafter's forward (priced in the drafts' seconds until a copy
+    has been verified). A copy is verified whole, as prompt lookup does, when its expected tokens per
+    second beat those of the step the draft policy chose. A copy passed over is scored against the
+    tokens the target commits next (`score_passed_over`): without that, statistics that learnt early
+    that copies fail would never see a copy verified again, even where the text starts to repeat. The
+    score is what verification would have given: under greedy decoding exactly; under sampling a copied
+    token matches the target's sample with probability p(token), which is also the chance that rejection
+    sampling accepts it (q one-hot).
+
+    Args:
+        max_copy (`int`): the longest copied run.
+        drafts (`AdaptiveVerifyLength`, *optional*): the policy of the DFlash drafts that copies compete with
+            (None: no drafts; a copy then always beats the plain step).
+    """
+
+    def __init__(self, max_copy: int, drafts: AdaptiveVerifyLength | None = None):
+        self.drafts = drafts
+        self.stats = AdaptiveVerifyLength(
+            max_copy, StepCosts(max_copy, draft=0.0, fallback=drafts.costs if drafts is not None else None)
+        )
+        self.passed_over: list[tuple[int, list[int]]] = []  # (position of its first token, tokens)
+
+    def pays(self, num_copied: int, num_drafts: int) -> bool:
+        """Whether verifying `num_copied` copied tokens beats the step that verifies `num_drafts` drafts."""
+        drafting = self.drafts.rate(num_drafts) if self.drafts is not None else 0.0
+        return self.stats.rate(num_copied) >= drafting
+
+    def pass_over(self, position: int, tokens: list[int]) -> None:
+        """A copy found at `position` (the index its first token would have) was not verified."""
+        self.passed_over.append((position, tokens))
+
+    def observe(self, num_copied: int, num_accepted: int, seconds: float | None = None) -> None:
+        """A step verified a copy of `num_copied` tokens and committed the first `num_accepted`."""
+        self.stats.observe(num_copied, num_accepted, seconds)
+        if self.drafts is not None:  # the drafts' statistics fade with every step
+            self.drafts.fade()
+
+    def score_passed_over(self, committed: list[int]) -> None:
+        """Scores the copies passed over whose outcome is known, given the tokens committed from the first
+        one's position on (`committed[0]` at `passed_over[0][0]`): its first mismatch, or all its length.
+        No seconds are observed: nothing was run."""
+        first = self.passed_over[0][0]
+        pending = []
+        for start, copy in self.passed_over:
+            since = committed[start - first :][: len(copy)]
+            matches = next((i for i, (a, b) in enumerate(zip(copy, since)) if a != b), len(since))
+            if matches < len(since) or len(since) == len(copy):
+                self.stats.observe(len(copy), matches)
+            else:
+                pending.append((start, copy))
+        self.passed_over = pending
+
+
+__all__ = ["AdaptiveVerifyLength", "CopyPolicy", "StepCosts"]

@@ -1,0 +1,157 @@
+"""Replays the verify-length and copy policies on recorded answers: every method on the same tokens.
+
+    HF_HUB_OFFLINE=1 python benchmarks/policy_replay.py record humaneval:16 humaneval-edit:16 prose:16 --out replay.json
+    python benchmarks/policy_replay.py replay replay.json --costs bf16
+
+Why: in bf16 a method that verifies several tokens per forward drifts from plain greedy at near-ties
+and is then timed on other text, so a bench of 8-16 prompts cannot tell two policies apart by less
+than ~10 %. `record` (the target and the shipped drafter, a few minutes on a CPU) writes, per prompt,
+plain greedy's answer and, at every position of it, how many drafts of the drafter would be accepted
+(one drafter forward over all positions under the training block mask, which is what decoding
+computes) and the run transformers' prompt lookup would copy, with its accepted length. `replay`
+(seconds, no model) runs `dflash_hf.generation.policy` on them under a cost model in plain-step
+units and prints each method's speedup over plain decoding. Left out: the loop's own overhead, the
+prefill, and any difference between the modelled and the real step costs.
+"""
+
+import argparse
+import json
+
+# Seconds of a target forward over n tokens in plain steps, SmolLM2-135M on 2 CPU cores at a 300-token
+# cache (the issue's table), and of the drafter's forward (bench: 9.5 ms against a 45 ms plain step).
+COSTS = {
+    "bf16": {"forward": {1: 1.0, 2: 1.06, 4: 1.23, 8: 1.31, 16: 1.45}, "draft": 0.21},
+    "fp32": {"forward": {1: 1.0, 2: 1.61, 4: 1.61, 8: 1.62, 16: 1.98}, "draft": 0.21},
+}
+METHODS = ("plain", "lookup", "full block", "adaptive", "adaptive+lookup")
+
+
+def forward_cost(table: dict, tokens: int) -> float:
+    """Linear interpolation of the forward-cost table (extrapolated from its last two points)."""
+    points = sorted((int(k), v) for k, v in table.items())
+    for (n0, c0), (n1, c1) in zip(points, points[1:]):
+        if tokens <= n1 or (n1, c1) == points[-1]:
+            return c0 + (c1 - c0) * (tokens - n0) / (n1 - n0)
+    return points[0][1]
+
+
+def record(specs: list[str], out: str) -> None:
+    import torch
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    from dflash_hf import embedded
+    from dflash_hf.evaluation import encode_prompt, load_prompts
+    from dflash_hf.training.data import target_layer_features
+    from dflash_hf.training.objective import drafter_block_forward
+
+    target, tokenizer = embedded.load_smollm2("bfloat16")
+    drafter = embedded.load_drafter().to(torch.bfloat16)
+    block, dflash = drafter.config.block_size, drafter.config.dflash_config
+    embed, head = target.get_input_embeddings(), target.get_output_embeddings()
+    lookup = PromptLookupCandidateGenerator(eos_token_id=None, num_output_tokens=10, max_matching_ngram_size=2,
+                                            max_length=1 << 30)
+    recorded = {}
+    for spec in specs:
+        for item in load_prompts(spec):
+            prompt = torch.tensor([encode_prompt(tokenizer, item["prompt"])])
+            with torch.inference_mode():
+                ids = target.generate(prompt, max_new_tokens=128, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                      pad_token_id=tokenizer.eos_token_id)[0]
+                start, end = prompt.shape[1], ids.shape[0]
+                # the block anchored at each committed token, its context the features of the tokens before it
+                anchors = torch.arange(start, end - 1)[None]
+                block_ids = torch.full((anchors.shape[1], block), dflash["mask_token_id"])
+                block_ids[:, 0] = ids[start : end - 1]
+                positions = (anchors[0, :, None] + torch.arange(block)).flatten()[None]
+                features = target_layer_features(target, ids[None], None, dflash["target_layer_ids"])
+                hidden = drafter_block_forward(drafter, embed(block_ids.flatten()[None]), features, anchors, positions)
+                drafts = head(hidden.view(-1, block, hidden.shape[-1])[:, 1:]).argmax(-1).tolist()
+            text = ids.tolist()
+            accepted_drafts, copies, accepted_copies = [], [], []
+            for j, anchor in enumerate(range(start, end - 1)):
+                truth = text[anchor + 1 :]
+                accepted_drafts.append(_matching(drafts[j], truth))
+                copy = lookup.get_candidates(ids[None, : anchor + 1])[0][0, anchor + 1 :].tolist()
+                copies.append(copy)
+                accepted_copies.append(_matching(copy, truth))
+            recorded[item["id"]] = {"set": spec.split(":")[0], "start": start, "text": text,
+                                    "accepted_drafts": accepted_drafts, "copies": copies,
+                                    "accepted_copies": accepted_copies}
+            print(item["id"], end - start, "tokens", flush=True)
+    with open(out, "w") as file:
+        json.dump(recorded, file)
+
+
+def _matching(proposed: list[int], truth: list[int]) -> int:
+    return next((i for i, (a, b) in enumerate(zip(proposed, truth)) if a != b), min(len(proposed), len(truth)))
+
+
+def replay(answer: dict, method: str, costs: dict, max_drafts: int = 7) -> tuple[int, float]:
+    """(tokens, cost in plain steps) of decoding `answer` with `method`; the policies are the package's."""
+    from dflash_hf.generation.policy import AdaptiveVerifyLength, CopyPolicy
+
+    start, text = answer["start"], answer["text"]
+    verify = lambda n: forward_cost(costs["forward"], n + 1)  # noqa: E731  (n proposed tokens + the anchor)
+    policy = AdaptiveVerifyLength(max_drafts) if method.startswith("adaptive") else None
+    copy_policy = CopyPolicy(10, policy) if method == "adaptive+lookup" else None
+    position, cost = start, 0.0  # position: the anchor, the last committed token
+    while position < len(text) - 1:
+        j = position - start
+        drafts, copy = answer["accepted_drafts"][j], answer["copies"][j]
+        if method == "plain":
+            accepted, seconds = 0, verify(0)
+        elif method == "lookup":
+            accepted, seconds = (answer["accepted_copies"][j], verify(len(copy))) if copy else (0, verify(0))
+        elif method == "full block":
+            accepted, seconds = drafts, costs["draft"] + verify(max_drafts)
+        else:  # as DFlashCandidateGenerator.get_candidates decides
+            limit = policy.choose(max_drafts)
+            copied = bool(copy) and copy_policy is not None and copy_policy.pays(len(copy), limit)
+            if copy and copy_policy is not None and not copied:
+                copy_policy.pass_over(position + 1, copy)
+            if copied:
+                accepted, seconds = answer["accepted_copies"][j], verify(len(copy))
+                copy_policy.observe(len(copy), accepted, seconds)
+            elif limit > 0:
+                accepted, seconds = min(drafts, limit), costs["draft"] + verify(limit)
+                policy.observe(limit, accepted, seconds)
+            else:
+                accepted, seconds = 0, verify(0)
+                policy.observe(0, 0, seconds)
+        cost += seconds
+        position += accepted + 1
+        if copy_policy is not None and copy_policy.passed_over:
+            copy_policy.score_passed_over(text[copy_policy.passed_over[0][0] : position + 1])
+    return len(text) - start, cost
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    rec = sub.add_parser("record", help="decode prompt sets with the target and record what each proposal would accept")
+    rec.add_argument("prompts", nargs="+", help="prompt sets, e.g. humaneval:16 prose:16")
+    rec.add_argument("--out", default="policy-replay.json")
+    rep = sub.add_parser("replay", help="speedups over plain decoding of each method on the recorded answers")
+    rep.add_argument("recorded")
+    rep.add_argument("--costs", choices=sorted(COSTS), default="bf16")
+    args = parser.parse_args(argv)
+    if args.command == "record":
+        record(args.prompts, args.out)
+        return
+    with open(args.recorded) as file:
+        answers = json.load(file)
+    costs = COSTS[args.costs]
+    sets = sorted({answer["set"] for answer in answers.values()})
+    print(f"speedup over plain decoding, {args.costs} cost model, same text for every method")
+    print(f"{'prompts':22s}" + "".join(f"{m:>17s}" for m in METHODS))
+    for name in sets:
+        chosen = [a for a in answers.values() if a["set"] == name]
+        rates = {}
+        for method in METHODS:
+            runs = [replay(answer, method, costs) for answer in chosen]
+            rates[method] = sum(t for t, _ in runs) / sum(c for _, c in runs)
+        print(f"{name + f' ({len(chosen)})':22s}" + "".join(f"{rates[m] / rates['plain']:>16.3f}x" for m in METHODS))
+
+
+if __name__ == "__main__":
+    main()
