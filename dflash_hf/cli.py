@@ -170,9 +170,9 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--drafter", default=None, help="DFlash drafter folder or Hub id (default: the shipped one)")
     parser.add_argument("--prompt", default=DEMO_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--lookup", type=int, default=0,
-                        help="also copy up to N tokens from the context where its last tokens recur, verified instead of "
-                             "the DFlash block when that pays more (0: off, as in dflash_hf.enable)")
+    parser.add_argument("--lookup", type=int, default=None,
+                        help="copy up to N tokens from the context where its last tokens recur, verified instead of the "
+                             "DFlash block when that pays more (default: dflash_hf.enable's, 10; 0: off, DFlash alone)")
 
 
 def run_demo(args: argparse.Namespace) -> int:
@@ -187,7 +187,10 @@ def run_demo(args: argparse.Namespace) -> int:
 
     target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
     drafter = embedded.load_drafter(args.drafter).to(device=target.device, dtype=target.dtype)
-    enable(target, lookup=args.lookup or None)
+    if args.lookup is None:
+        enable(target)  # the default: copies where the adaptive verify length finds they pay
+    else:
+        enable(target, lookup=args.lookup or None)
     messages = [{"role": "user", "content": args.prompt}]
     if tokenizer.chat_template:
         inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -211,7 +214,7 @@ def run_demo(args: argparse.Namespace) -> int:
         plain_seconds = time.perf_counter() - start
     stats = drafter.last_stats
     new_tokens = dflash.shape[1] - inputs["input_ids"].shape[1]
-    copies = f" ({stats.copied_steps} of them verified copies from the context)" if args.lookup else ""
+    copies = f" ({stats.copied_steps} of them verified copies from the context)" if args.lookup != 0 else ""
     print(f"\n{new_tokens} tokens, tau {stats.mean_acceptance_length:.2f} over {stats.num_target_forwards} target "
           f"forwards{copies}; speedup over plain greedy generate {plain_seconds / dflash_seconds:.2f}x "
           f"(DFlash {new_tokens / dflash_seconds:.1f} tok/s, plain {new_tokens / plain_seconds:.1f} tok/s); "

@@ -161,14 +161,15 @@ def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None, veri
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id
         kwargs["pad_token_id"] = eos_token_id if isinstance(eos_token_id, int) else eos_token_id[0]
-    if lookup is not None:
-        kwargs["prompt_lookup_num_tokens"] = lookup
     start = time.perf_counter()
     with torch.inference_mode():
         if drafter is None:
+            if lookup is not None:
+                kwargs["prompt_lookup_num_tokens"] = lookup
             output = target.generate(ids, **kwargs)
-        else:
-            output = generate(target, ids, assistant_model=drafter, dflash_verify_length=verify_length, **kwargs)
+        else:  # the lookup setting explicitly: None runs DFlash alone, whatever the default
+            output = generate(target, ids, assistant_model=drafter, dflash_verify_length=verify_length,
+                              dflash_lookup=lookup, **kwargs)
     return output, time.perf_counter() - start
 
 

@@ -205,7 +205,7 @@ def prompt(seed, length=6):
 @pytest.mark.parametrize("wrong_every", (0, 2, 1))
 def test_greedy_equality_with_adaptation(make_target, per_token, wrong_every, fixed_costs):
     fixed_costs(per_token=per_token)
-    target = dflash_hf.enable(make_target())
+    target = dflash_hf.enable(make_target(), lookup=None)  # the drafts' policy alone
     ids = prompt(3)
     expected = target.generate(ids, max_new_tokens=48, do_sample=False)
     oracle = drafter(0, cls=OracleDrafter, block_size=8, target_layer_ids=(0, 3))
@@ -276,7 +276,7 @@ def test_hybrid_target_with_plain_steps_and_rollbacks(wrong_every, fixed_costs):
     from test_hybrid import hybrid_target
 
     fixed_costs(per_token=0.08)
-    target = dflash_hf.enable(hybrid_target())
+    target = dflash_hf.enable(hybrid_target(), lookup=None)  # the drafts' policy alone
     ids = prompt(9)
     expected = target.generate(ids, max_new_tokens=40, do_sample=False)
     oracle = drafter(0, cls=OracleDrafter, block_size=8, target_layer_ids=(0, 3))

@@ -105,7 +105,7 @@ def test_bench_sweeps_verify_lengths_per_call_and_keeps_the_users_settings():
                              baseline=False, progress=False, warmup=False, adaptive=False)
     verified = {key: result["prompts"][0]["dflash"][key]["verify_lengths"] for key in result["sweep"]}
     assert set(verified) == {"1", "3"} and max(verified["1"]) == 1 and max(verified["3"]) == 3
-    assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2, "lookup": None}
+    assert dflash_settings(target) == {"proposal": "argmax", "verify_length": 2, "lookup": "adaptive"}
 
 
 def test_bench_with_lookup_runs_both_baselines_and_the_combined_proposal():

@@ -16,9 +16,14 @@ def test_demo_streams_and_reports(tmp_path, capsys):
                  "--prompt", "write fib", "--max-new-tokens", "12"])
     out = capsys.readouterr().out
     assert code == 0
-    assert re.search(r"12 tokens, tau \d\.\d\d over \d+ target forwards; speedup over plain greedy generate", out)
+    # copies from the context are on by default (`--lookup 0`: DFlash alone)
+    assert re.search(r"12 tokens, tau \d\.\d\d over \d+ target forwards \(\d+ of them verified copies from the context\); "
+                     r"speedup over plain greedy generate", out)
     assert re.search(r"identical output: True \(torch\.\w+\)$", out.rstrip())
     assert out.split("\n")[0].strip()  # the streamed answer comes first
+    main(["demo", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompt", "write fib",
+          "--max-new-tokens", "12", "--lookup", "0"])
+    assert re.search(r"over \d+ target forwards; speedup", capsys.readouterr().out)  # DFlash alone
 
 
 def test_demo_without_a_shipped_drafter_says_how_to_get_one(monkeypatch, tmp_path, capsys):

@@ -147,7 +147,7 @@ def test_loading_errors_that_are_not_about_the_files_propagate_unchanged(tmp_pat
     [
         (dict(num_beams=2), r"beam search \(num_beams=2\); drop num_beams"),
         (dict(num_return_sequences=2, do_sample=True), r"several sequences per prompt"),
-        (dict(dflash_lookup=0), r"lookup must be None \(off\) or the most tokens copied"),
+        (dict(dflash_lookup=0), r"lookup must be 'adaptive' .*, None \(off\) or the most tokens copied"),
         (dict(output_attentions=True, return_dict_in_generate=True), r"drop output_attentions"),
         (dict(use_cache=False), r"drop use_cache=False"),
         (dict(custom_generate=lambda *a, **k: None), r"brings its own decoding loop; drop custom_generate"),

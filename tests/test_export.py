@@ -41,7 +41,7 @@ CUSTOM_RUN = textwrap.dedent(
         forwards.clear()
         out, greedy_warnings = chat_warnings(lambda: target.generate(
             prompt, max_new_tokens=24, do_sample=False, assistant_model=drafter, custom_generate=repo,
-            trust_remote_code=True, return_dict_in_generate=True))
+            trust_remote_code=True, return_dict_in_generate=True, dflash_lookup=None))  # the drafts alone
         stats, target_forwards = out.dflash_stats, len(forwards)
         torch.manual_seed(0)
         sampled = target.generate(prompt, max_new_tokens=12, do_sample=True, assistant_model=drafter,

@@ -28,7 +28,22 @@ def test_greedy_output_unchanged_and_copies_accepted(looping):
         assert stats.copied_steps > 0 and stats.copied_accepted_tokens > 0
         assert stats.copied_accepted_tokens <= stats.accepted_tokens
     # without lookup the same useless drafter commits (about) one token per forward
-    dflash_hf.generate(target, prompt, max_new_tokens=40, do_sample=False, assistant_model=useless)
+    dflash_hf.generate(target, prompt, max_new_tokens=40, do_sample=False, assistant_model=useless, dflash_lookup=None)
+    assert useless.last_stats.copied_steps == 0
+
+
+def test_copies_by_default_with_the_adaptive_verify_length_only(looping):
+    target, prompt, script = looping
+    useless = tiny.drafter(0, block_size=4)
+    assert torch.equal(dflash_hf.generate(target, prompt, max_new_tokens=40, do_sample=False, assistant_model=useless),
+                       script)
+    assert useless.last_stats.copied_steps > 0
+    # a fixed verify length would verify every copy found in place of the block: no copies unless asked
+    dflash_hf.generate(target, prompt, max_new_tokens=40, do_sample=False, assistant_model=useless,
+                       dflash_verify_length=None)
+    assert useless.last_stats.copied_steps == 0
+    enabled = dflash_hf.enable(tiny.qwen3_target(), verify_length=2)
+    enabled.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=useless)
     assert useless.last_stats.copied_steps == 0
 
 

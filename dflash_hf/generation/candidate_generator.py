@@ -30,11 +30,23 @@ PROPOSALS = ("sample", "argmax", "match")
 ADAPTIVE = "adaptive"
 
 
+# Copied tokens per step of the default `lookup="adaptive"`, as transformers' prompt_lookup_num_tokens.
+DEFAULT_LOOKUP = 10
+
+
+def resolve_lookup(lookup, verify_length):
+    """`"adaptive"` (the default): `DEFAULT_LOOKUP` where the adaptive policy decides between a copy and
+    the block, off with a fixed verify length (which would verify every copy found instead of the block)."""
+    if lookup == ADAPTIVE:
+        return DEFAULT_LOOKUP if verify_length == ADAPTIVE else None
+    return lookup
+
+
 def check_settings(proposal: str, verify_length, lookup=None) -> None:
     """The DFlash options (`enable`, per call, `GenerationConfig`), checked where they come in."""
-    if lookup is not None and (isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1):
-        raise ValueError(f"lookup must be None (off) or the most tokens copied from the context per step (an int "
-                         f">= 1, e.g. 10), got {lookup!r}")
+    if lookup is not None and lookup != ADAPTIVE and (isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1):
+        raise ValueError(f"lookup must be {ADAPTIVE!r} (copy where the adaptive verify length finds it pays), None "
+                         f"(off) or the most tokens copied from the context per step (an int >= 1, e.g. 10), got {lookup!r}")
     if proposal not in PROPOSALS:
         raise ValueError(f"dflash proposal must be one of {PROPOSALS}, got {proposal!r}")
     fixed = isinstance(verify_length, int) and not isinstance(verify_length, bool) and verify_length >= 0
@@ -62,10 +74,11 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         verify_length (`str` or `int`, *optional*, defaults to `"adaptive"`): drafts verified per step:
             `"adaptive"` (chosen each step, `policy.AdaptiveVerifyLength`), `None` (all), or at most an int.
             The drafter always drafts its whole trained block: shortening its input hurts acceptance.
-        lookup (`int`, *optional*): copy up to this many tokens from the context where its last tokens
-            recur (None: never copy). A copied run is verified instead of the block when the policy
-            expects it to pay more (with a fixed verify length: whenever one is found); the drafter
-            does not run in that step. Copies are a deterministic proposal (q one-hot) under sampling.
+        lookup (`int` or `str`, *optional*): copy up to this many tokens from the context where its last tokens
+            recur (None: never copy; `"adaptive"`: `DEFAULT_LOOKUP` with the adaptive verify length, none
+            with a fixed one). A copied run is verified instead of the block when the policy expects it to
+            pay more (with a fixed verify length: whenever one is found); the drafter does not run in that
+            step. Copies are a deterministic proposal (q one-hot) under sampling.
     """
 
     def __init__(
@@ -79,6 +92,7 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         lookup: int | None = None,
     ):
         check_settings(proposal, verify_length, lookup)
+        lookup = resolve_lookup(lookup, verify_length)
         super().__init__(
             drafter, target.get_input_embeddings(), target.get_output_embeddings(), generation_config,
             logits_processor if logits_processor is not None else LogitsProcessorList(),
@@ -251,4 +265,4 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             self.copy_policy.score_passed_over(input_ids[0, first:].tolist())  # one host sync for all of them
 
 
-__all__ = ["ADAPTIVE", "DFlashCandidateGenerator", "PROPOSALS", "check_settings"]
+__all__ = ["ADAPTIVE", "DEFAULT_LOOKUP", "DFlashCandidateGenerator", "PROPOSALS", "check_settings", "resolve_lookup"]

@@ -32,7 +32,7 @@ from ..targets import check_compatible, is_dflash_drafter
 from .candidate_generator import ADAPTIVE, DFlashCandidateGenerator, check_settings
 
 _SETTINGS = "_dflash_settings"  # where enable() keeps its options, in the instance's __dict__
-DEFAULTS = {"proposal": "sample", "verify_length": ADAPTIVE, "lookup": None}
+DEFAULTS = {"proposal": "sample", "verify_length": ADAPTIVE, "lookup": ADAPTIVE}
 _UNSET = object()
 # Prompt tokens searched for a chat template's think markers: Qwen3's enable_thinking=False generation prompt
 # ends with `<think>\n\n</think>\n\n` (4 tokens), room is left for a prefilled start of the answer.
@@ -465,7 +465,7 @@ class _BoundGenerate:
 
 
 def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int | str | None = ADAPTIVE,
-           lookup: int | None = None):
+           lookup: int | str | None = ADAPTIVE):
     """Lets `target.generate(..., assistant_model=drafter)` (and pipelines) decode with a DFlash drafter.
 
     Only this instance changes: its `generate` becomes `dflash_hf.generate` bound to it; calls without a
@@ -478,9 +478,11 @@ def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int
         verify_length (`str` or `int`, *optional*, defaults to `"adaptive"`): drafts the target verifies per
             step: `"adaptive"` picks it each step from acceptance and step costs seen so far in the call
             (plain steps when drafting does not pay); `None` all `block_size - 1`; an int at most that many.
-        lookup (`int`, *optional*): also copy up to this many tokens from the context where its last
-            tokens recur, verified instead of the DFlash block when that is expected to pay more (None: off;
-            per call `prompt_lookup_num_tokens=n` or `dflash_lookup=n`).
+        lookup (`int` or `str`, *optional*, defaults to `"adaptive"`): also copy up to this many tokens from
+            the context where its last tokens recur, verified instead of the DFlash block when that is
+            expected to pay more. `"adaptive"`: 10 tokens with the adaptive verify length, off with a fixed
+            one (which would verify every copy found in place of the block); None: off. Per call
+            `prompt_lookup_num_tokens=n` or `dflash_lookup=n` (None: off).
     """
     if is_dflash_drafter(target):
         raise TypeError("dflash_hf.enable takes the target model, not the drafter.")
