@@ -2,18 +2,24 @@
 
 import re
 
+import pytest
+
 from dflash_hf import embedded
 from dflash_hf.cli import main
 from tiny import drafter, qwen3_target, tokenizer
 
 
-def test_demo_streams_and_reports(tmp_path, capsys):
-    target, tok = qwen3_target(), tokenizer()
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
+@pytest.fixture
+def pair(tmp_path):
+    """A tiny target (with its tokenizer) and drafter saved as folders: the demo's arguments to them."""
+    qwen3_target().save_pretrained(tmp_path / "target")
+    tokenizer().save_pretrained(tmp_path / "target")
     drafter(0, block_size=4).save_pretrained(tmp_path / "drafter")
-    code = main(["demo", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
-                 "--prompt", "write fib", "--max-new-tokens", "12"])
+    return ["--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter")]
+
+
+def test_demo_streams_and_reports(pair, capsys):
+    code = main(["demo", *pair, "--prompt", "write fib", "--max-new-tokens", "12"])
     out = capsys.readouterr().out
     assert code == 0
     # copies from the context are on by default (`--lookup 0`: DFlash alone)
@@ -21,28 +27,19 @@ def test_demo_streams_and_reports(tmp_path, capsys):
                      r"speedup over plain greedy generate", out)
     assert re.search(r"identical output: True \(torch\.\w+\)$", out.rstrip())
     assert out.split("\n")[0].strip()  # the streamed answer comes first
-    main(["demo", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"), "--prompt", "write fib",
-          "--max-new-tokens", "12", "--lookup", "0"])
+    main(["demo", *pair, "--prompt", "write fib", "--max-new-tokens", "12", "--lookup", "0"])
     assert re.search(r"over \d+ target forwards; speedup", capsys.readouterr().out)  # DFlash alone
 
 
-def test_demo_without_a_shipped_drafter_says_how_to_get_one(monkeypatch, tmp_path, capsys):
-    target, tok = qwen3_target(), tokenizer()
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
+def test_demo_without_a_shipped_drafter_says_how_to_get_one(monkeypatch, pair, tmp_path, capsys):
     monkeypatch.setattr(embedded, "DRAFTER_DIR", tmp_path / "nothing")
-    assert main(["demo", "--target", str(tmp_path / "target")]) == 2
+    assert main(["demo", *pair[:2]]) == 2
     assert "dflash-hf train" in capsys.readouterr().err
 
 
-def test_demo_with_lookup_stays_identical_and_counts_copies(tmp_path, capsys):
-    target, tok = qwen3_target(), tokenizer()
-    target.save_pretrained(tmp_path / "target")
-    tok.save_pretrained(tmp_path / "target")
-    drafter(0, block_size=4).save_pretrained(tmp_path / "drafter")
+def test_demo_with_lookup_stays_identical_and_counts_copies(pair, capsys):
     # a prompt that repeats itself, so that the context offers copies
-    code = main(["demo", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
-                 "--prompt", "a b c a b c a b c a b c", "--max-new-tokens", "24", "--lookup", "5"])
+    code = main(["demo", *pair, "--prompt", "a b c a b c a b c a b c", "--max-new-tokens", "24", "--lookup", "5"])
     out = capsys.readouterr().out
     assert code == 0
     copies = re.search(r"target forwards \((\d+) of them verified copies from the context\); speedup", out)
