@@ -74,7 +74,8 @@ def record(specs: list[str], out: str) -> None:
                 copy = lookup.get_candidates(ids[None, : anchor + 1])[0][0, anchor + 1 :].tolist()
                 copies.append(copy)
                 accepted_copies.append(_matching(copy, truth))
-            recorded[item["id"]] = {"set": spec.split(":")[0], "start": start, "text": text,
+            # the drafts themselves too: a rule that compares them with the copy can be replayed from them
+            recorded[item["id"]] = {"set": spec.split(":")[0], "start": start, "text": text, "drafts": drafts,
                                     "accepted_drafts": accepted_drafts, "copies": copies,
                                     "accepted_copies": accepted_copies}
             print(item["id"], end - start, "tokens", flush=True)
@@ -107,10 +108,14 @@ def replay(answer: dict, method: str, costs: dict, max_drafts: int = 7) -> tuple
         else:  # as DFlashCandidateGenerator.get_candidates decides
             limit = policy.choose(max_drafts)
             copied = bool(copy) and copy_policy is not None and copy_policy.pays(len(copy), limit)
-            if copy and copy_policy is not None and not copied:
+            # a copy passed over is verified after all when the drafter's first draft agrees with it
+            agreed = bool(copy) and copy_policy is not None and not copied and limit > 0 \
+                and answer["drafts"][j][0] == copy[0]
+            if copy and copy_policy is not None and not (copied or agreed):
                 copy_policy.pass_over(position + 1, copy)
-            if copied:
-                accepted, seconds = answer["accepted_copies"][j], verify(len(copy))
+            if copied or agreed:
+                accepted = answer["accepted_copies"][j]
+                seconds = verify(len(copy)) + (costs["draft"] if agreed else 0.0)
                 copy_policy.observe(len(copy), accepted, seconds)
             elif limit > 0:
                 accepted, seconds = min(drafts, limit), costs["draft"] + verify(limit)

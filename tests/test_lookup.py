@@ -158,3 +158,19 @@ def test_unobserved_copy_costs_are_priced_in_the_drafts_seconds():
     copies = StepCosts(6, draft=0.0, per_draft=0.1, fallback=drafts)
     assert copies.seconds()[0] == pytest.approx(0.05)
     assert copies.seconds()[2] == pytest.approx(0.05 * (1 + 0.1 * 2))
+
+
+def test_a_copy_passed_over_is_verified_when_the_first_draft_agrees_with_it(looping, monkeypatch):
+    # Copies never pay by the statistics here; an oracle drafter's first draft is always right, so it
+    # agrees with every right copy, and those are verified anyway (whole, longer than the block).
+    target, prompt, script = looping
+    monkeypatch.setattr(CopyPolicy, "pays", lambda self, num_copied, num_drafts: False)
+    oracle = tiny.drafter(0, cls=tiny.OracleDrafter, block_size=4).arm(script, target.get_output_embeddings())
+    out = dflash_hf.generate(target, prompt, max_new_tokens=40, do_sample=False, assistant_model=oracle,
+                             prompt_lookup_num_tokens=6)
+    assert torch.equal(out, script)
+    stats = oracle.last_stats
+    assert stats.copied_steps > 0 and max(stats.verify_lengths) == 6
+    dflash_hf.generate(target, prompt, max_new_tokens=40, do_sample=False, assistant_model=oracle, dflash_lookup=None)
+    assert stats.num_target_forwards < oracle.last_stats.num_target_forwards  # than its blocks of 3 drafts alone
+

@@ -17,8 +17,9 @@ def _answer(length: int, drafts: int, copy_from: int | None):
     text = list(range(4 + length))
     anchors = range(4, len(text) - 1)
     copies = [text[a + 1 : a + 11] if copy_from is not None and a >= copy_from else [] for a in anchors]
-    return {"set": "t", "start": 4, "text": text, "accepted_drafts": [drafts] * len(anchors), "copies": copies,
-            "accepted_copies": [len(c) for c in copies]}
+    proposed = [[text[a + 1 + k] if k < drafts and a + 1 + k < len(text) else -1 for k in range(7)] for a in anchors]
+    return {"set": "t", "start": 4, "text": text, "drafts": proposed, "accepted_drafts": [drafts] * len(anchors),
+            "copies": copies, "accepted_copies": [len(c) for c in copies]}
 
 
 def test_plain_costs_one_step_a_token_and_the_full_block_what_its_drafts_earn():

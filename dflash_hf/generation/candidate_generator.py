@@ -165,7 +165,25 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         if self.softcap is not None:  # Gemma caps its logits; the drafts' must match to sample alike
             logits = torch.tanh(logits / self.softcap) * self.softcap
         drafts, scores = self._propose(input_ids, logits.to(input_ids.device))
+        agreed = self._agreeing_copy(input_ids, drafts)
+        if agreed is not None:
+            return agreed
         return torch.cat([input_ids, drafts], dim=-1), scores
+
+    def _agreeing_copy(self, input_ids: torch.LongTensor, drafts: torch.LongTensor):
+        """The copy passed over at this step, verified after all when the drafter's first draft is its first
+        token: where two independent proposals agree the copy is right far more often than the copy
+        statistics say (they average over all copies), and it is longer than the drafts. Replayed on the same
+        text (benchmarks/policy_replay.py, 16 prompts per set, bf16 costs) it took completion from 1.68x to
+        1.75x and editing from 2.26x to 2.36x, prose unchanged. Under sampling the choice depends on the
+        drafter's own sample only, so the copy stays an exact deterministic proposal."""
+        if self.copy_policy is None or not self.copy_policy.passed_over:
+            return None
+        position, copy = self.copy_policy.passed_over[-1]
+        if position != input_ids.shape[1] or copy[0] != int(drafts[0, 0]):
+            return None
+        self.copy_policy.passed_over.pop()  # verified now: not scored as passed over
+        return self._copied(input_ids, torch.tensor([copy], dtype=input_ids.dtype, device=input_ids.device))
 
     def _copy(self, input_ids: torch.LongTensor, drafted: int, room: int):
         """`(ids + copied run, scores)` when the context offers a continuation worth verifying, else None."""
@@ -180,6 +198,10 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         if self.copy_policy is not None and not self.copy_policy.pays(available, drafted):
             self.copy_policy.pass_over(input_ids.shape[1], found[0].tolist())
             return None
+        return self._copied(input_ids, found)
+
+    def _copied(self, input_ids: torch.LongTensor, found: torch.LongTensor):
+        """`(ids + copied run, scores)`: the copy is this step's proposal."""
         self.num_drafts, self.copied = found.shape[1], True
         scores = None
         if self.do_sample and self.proposal != "match":  # a deterministic proposal: q one-hot at the copy
