@@ -41,6 +41,7 @@ def record(specs: list[str], out: str) -> None:
 
     from dflash_hf import embedded
     from dflash_hf.evaluation import encode_prompt, load_prompts
+    from dflash_hf.generation.policy import matching_prefix
     from dflash_hf.training.data import target_layer_features
     from dflash_hf.training.objective import drafter_block_forward
 
@@ -70,10 +71,10 @@ def record(specs: list[str], out: str) -> None:
             accepted_drafts, copies, accepted_copies = [], [], []
             for j, anchor in enumerate(range(start, end - 1)):
                 truth = text[anchor + 1 :]
-                accepted_drafts.append(_matching(drafts[j], truth))
+                accepted_drafts.append(matching_prefix(drafts[j], truth))
                 copy = lookup.get_candidates(ids[None, : anchor + 1])[0][0, anchor + 1 :].tolist()
                 copies.append(copy)
-                accepted_copies.append(_matching(copy, truth))
+                accepted_copies.append(matching_prefix(copy, truth))
             # the drafts themselves too: a rule that compares them with the copy can be replayed from them
             recorded[item["id"]] = {"set": spec.split(":")[0], "start": start, "text": text, "drafts": drafts,
                                     "accepted_drafts": accepted_drafts, "copies": copies,
@@ -81,10 +82,6 @@ def record(specs: list[str], out: str) -> None:
             print(item["id"], end - start, "tokens", flush=True)
     with open(out, "w") as file:
         json.dump(recorded, file)
-
-
-def _matching(proposed: list[int], truth: list[int]) -> int:
-    return next((i for i, (a, b) in enumerate(zip(proposed, truth)) if a != b), min(len(proposed), len(truth)))
 
 
 def replay(answer: dict, method: str, costs: dict, max_drafts: int = 7) -> tuple[int, float]:

@@ -17,6 +17,11 @@ The policy only changes how many drafts are verified: the committed tokens are t
 from __future__ import annotations
 
 
+def matching_prefix(proposed: list[int], truth: list[int]) -> int:
+    """How many leading tokens of `proposed` equal `truth` (at most the shorter length)."""
+    return next((i for i, (a, b) in enumerate(zip(proposed, truth)) if a != b), min(len(proposed), len(truth)))
+
+
 class StepCosts:
     """Seconds of a decoding step by the number of drafts it verified, learnt online.
 
@@ -229,7 +234,7 @@ class CopyPolicy:
         pending = []
         for start, copy in self.passed_over:
             since = committed[start - first :][: len(copy)]
-            matches = next((i for i, (a, b) in enumerate(zip(copy, since)) if a != b), len(since))
+            matches = matching_prefix(copy, since)
             if matches < len(since) or len(since) == len(copy):
                 self.stats.observe(len(copy), matches)
             else:
@@ -237,4 +242,4 @@ class CopyPolicy:
         self.passed_over = pending
 
 
-__all__ = ["AdaptiveVerifyLength", "CopyPolicy", "StepCosts"]
+__all__ = ["AdaptiveVerifyLength", "CopyPolicy", "StepCosts", "matching_prefix"]
