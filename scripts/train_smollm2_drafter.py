@@ -20,20 +20,25 @@ constant 6e-4, then
 held-out tau 1.74 -> 1.92). Rerunning without those options continues at the constant rate again.
 
 Training prompts: every docstring prompt of the standard library and installed packages in two
-template variants (seeds 0 and 1), about 5,600 requests; the target's greedy responses (bf16, 160 new
-tokens) are cached in `<output-dir>/data/responses.jsonl`. HumanEval never enters training. Every
-option of `dflash-hf train` can be passed through and overrides the recipe below.
+template variants (seeds 0 and 1), about 5,600 requests, then (from step 4,300 on) about 1,000
+requests for ordinary text (`prose_requests`: stories, descriptions and letters about emoji names and
+time-zone cities, one template variant, no topic sharing a word with the held-out `prose` set).
+The target's greedy responses (bf16, 160 new tokens) are cached in `<output-dir>/data/responses.jsonl`;
+new prompts are appended, so the cache stays valid. HumanEval and the `prose` bench set never enter
+training. Every option of `dflash-hf train` can be passed through and overrides the recipe below.
 """
 
 import argparse
 import json
+import re
 import shutil
 import sys
 import time
 from pathlib import Path
 
 from dflash_hf.cli import main as cli_main
-from dflash_hf.training.data import docstring_prompts
+from dflash_hf.evaluation import PROSE_REQUESTS
+from dflash_hf.training.data import docstring_prompts, prose_requests
 
 RECIPE = [
     "--target", "smollm2",
@@ -65,14 +70,23 @@ SHIPPED_FILES = ("config.json", "model.safetensors", "modeling_dflash.py", "READ
                  "training_metrics.json")
 
 
-def training_prompts(seeds=(0, 1)) -> list[str]:
-    """The docstring prompts in several template variants, first occurrence kept, in a fixed order."""
+def held_out_words() -> set[str]:
+    """The words of the held-out `prose` bench set: no training topic may share one."""
+    return {word for request in PROSE_REQUESTS for word in re.findall(r"[a-z]+", request.lower()) if len(word) > 3}
+
+
+def training_prompts() -> list[str]:
+    """The docstring prompts (two template variants), then the prose requests (one), first occurrence
+    kept, in a fixed order (new sources are appended: cached responses keep their index)."""
+    sources = [(lambda seed: docstring_prompts(seed=seed), (0, 1)),
+               (lambda seed: prose_requests(seed=seed, exclude_words=held_out_words()), (0,))]
     prompts, seen = [], set()
-    for seed in seeds:
-        for prompt in docstring_prompts(seed=seed):
-            if prompt not in seen:
-                seen.add(prompt)
-                prompts.append(prompt)
+    for source, seeds in sources:
+        for seed in seeds:
+            for prompt in source(seed):
+                if prompt not in seen:
+                    seen.add(prompt)
+                    prompts.append(prompt)
     return prompts
 
 
@@ -110,8 +124,7 @@ def main(argv=None) -> int:
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)
     prompt_file = output_dir / "prompts.jsonl"
-    if not prompt_file.exists():
-        prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in training_prompts()))
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in training_prompts()))
     curve = output_dir / "tau_curve.jsonl"
     # A fresh machine (no checkpoint in --output-dir) continues from the shipped drafter's weights.
     warm_start = ["--init-from", str(ASSETS)] if (ASSETS / "model.safetensors").is_file() else []

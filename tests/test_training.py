@@ -223,6 +223,31 @@ def test_build_dataset_resumes(tmp_path):
     assert again[:2] == first and len(path.read_text().splitlines()) == len(lines) + 1
 
 
+def test_build_dataset_regenerates_a_response_whose_prompt_changed(tmp_path):
+    target = tiny.llama_target()
+    path = tmp_path / "responses.jsonl"
+    tdata.build_dataset(target, [[1, 2], [3, 4]], path, max_new_tokens=3, stop_ids=[], progress=False)
+    again = tdata.build_dataset(target, [[1, 2], [5, 6]], path, max_new_tokens=3, stop_ids=[], progress=False)
+    assert again[1]["input_ids"][:2] == [5, 6]
+    assert again[1] == tdata.generate_responses(target, [[5, 6]], max_new_tokens=3, stop_ids=[], progress=False)[0]
+
+
+def test_prose_requests_are_offline_reproducible_and_keep_clear_of_excluded_topics():
+    prompts = tdata.prose_requests(seed=3)
+    assert len(prompts) > 500 and tdata.prose_requests(seed=3) == prompts
+    assert any("volcano" in p for p in prompts) and any("Lisbon" in p for p in prompts)
+    kept = tdata.prose_requests(seed=3, exclude_words=["volcano", "lisbon"])
+    assert not any("volcano" in p or "Lisbon" in p for p in kept)
+    assert len(kept) == len(prompts) - 2
+
+
+def test_docstring_prompts_have_no_memory_addresses():
+    # smtplib.SMTP's signature shows a sentinel `object()`, printed with its address: varies per run.
+    prompts = tdata.docstring_prompts(seed=0, modules=["smtplib"])
+    assert any("<object object>" in p for p in prompts)
+    assert not any(" at 0x" in p for p in prompts)
+
+
 def test_docstring_prompts_offline():
     prompts = tdata.docstring_prompts(20, seed=1, modules=["textwrap", "json", "itertools"])
     assert len(prompts) == 20 and all(isinstance(p, str) and len(p) > 20 for p in prompts)

@@ -18,6 +18,7 @@ import inspect
 import json
 import os
 import random
+import re
 import warnings
 from collections.abc import Iterable, Sequence
 from pathlib import Path
@@ -58,7 +59,8 @@ def _first_paragraph(doc: str, limit: int = 600) -> str:
 
 def _signature(obj) -> str:
     try:
-        signature = str(inspect.signature(obj))
+        # Without memory addresses (`<object object at 0x7f...>`): the prompt must be the same in every run.
+        signature = re.sub(r" at 0x[0-9a-fA-F]+", "", str(inspect.signature(obj)))
     except (TypeError, ValueError):
         return "(...)"
     return signature if len(signature) < 120 else "(...)"
@@ -110,6 +112,70 @@ def docstring_prompts(
                 name=name, qualname=qualname, signature=_signature(obj), doc=doc, lower_doc=lower_doc.rstrip(".") + "."
             )
         )
+    rng.shuffle(prompts)
+    return prompts if num_prompts is None else prompts[:num_prompts]
+
+
+# Requests for ordinary text (stories, descriptions, explanations, letters), so that the drafter also
+# sees chat prose and not only code. Topics come from names that ship with Python itself: Unicode
+# emoji names (objects, animals, food, weather, places) and the cities of the time-zone database.
+PROSE_TEMPLATES = (
+    "Write a short story in which a {topic} plays an important part.",
+    "Describe a {topic} to someone who has never seen one.",
+    "Write a few paragraphs about the history of the {topic}.",
+    "Explain in simple words what a {topic} is and what it is used for.",
+    "Write a poem of three verses about a {topic}.",
+    "Write an email to a colleague recommending a {topic}.",
+    "Give five interesting facts about the {topic}.",
+    "Write a children's bedtime story about a {topic}.",
+)
+CITY_TEMPLATES = (
+    "Describe a day spent visiting {city}.",
+    "Write a travel guide paragraph about {city}.",
+    "What is {city} known for? Answer in a few paragraphs.",
+    "Write a postcard from {city} to a friend.",
+)
+_NOT_TOPICS = re.compile(
+    r"SYMBOL|SIGN|SQUARED|CIRCLED|REGIONAL|MODIFIER|LEFT|RIGHT|UPWARDS|DOWNWARDS|ARROW|FACE|HAND|"
+    r"DIGIT|LETTER|ORNAMENT|NEGATIVE|BLACK|WHITE|LARGE|SMALL|MEDIUM|TYPE|COMBINING|WITH|VARIATION|PERSON|"
+    r"\bOF\b|\bAND\b|\bON\b|\bIN\b"
+)
+
+
+def _emoji_topics() -> list[str]:
+    import unicodedata
+
+    topics = set()
+    for code in range(0x1F300, 0x1FB00):
+        name = unicodedata.name(chr(code), "")
+        if name and len(name.split()) <= 2 and not _NOT_TOPICS.search(name) and name.replace(" ", "").isalpha():
+            topics.add(name.lower())
+    return sorted(topics)
+
+
+def _cities() -> list[str]:
+    import zoneinfo
+
+    cities = set()
+    for zone in zoneinfo.available_timezones():
+        area, _, place = zone.partition("/")
+        # Australia/North, America/Indiana/... are regions, not cities.
+        if area in {"Africa", "America", "Asia", "Europe"} and place and "/" not in place:
+            cities.add(place.replace("_", " "))
+    return sorted(cities)
+
+
+def prose_requests(num_prompts: int | None = None, seed: int = 0, exclude_words: Iterable[str] = ()) -> list[str]:
+    """Offline requests for ordinary text: templates over emoji names and time-zone cities.
+
+    `exclude_words` drops every topic that shares a word with them (lower case), so that a held-out
+    prose set can stay clear of its own topics."""
+    rng = random.Random(seed)
+    excluded = {word.lower() for word in exclude_words}
+    prompts = [rng.choice(PROSE_TEMPLATES).format(topic=topic)
+               for topic in _emoji_topics() if not excluded.intersection(topic.split())]
+    prompts += [rng.choice(CITY_TEMPLATES).format(city=city)
+                for city in _cities() if not excluded.intersection(city.lower().split())]
     rng.shuffle(prompts)
     return prompts if num_prompts is None else prompts[:num_prompts]
 
@@ -208,7 +274,10 @@ def build_dataset(
                     record = json.loads(line)
                 except json.JSONDecodeError:  # a line cut by an interruption
                     continue
-                done[record["index"]] = {"input_ids": record["input_ids"], "loss_mask": record["loss_mask"]}
+                index = record["index"]
+                # A response is reused only for the prompt it answers (the prompt list may have grown).
+                if index < len(prompt_ids) and record["input_ids"][: len(prompt_ids[index])] == list(prompt_ids[index]):
+                    done[index] = {"input_ids": record["input_ids"], "loss_mask": record["loss_mask"]}
     todo = [i for i in range(len(prompt_ids)) if i not in done]
     if todo:
         path.parent.mkdir(parents=True, exist_ok=True)
