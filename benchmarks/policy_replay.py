@@ -2,6 +2,7 @@
 
     HF_HUB_OFFLINE=1 python benchmarks/policy_replay.py record humaneval:16 humaneval-edit:16 prose:16 --out replay.json
     python benchmarks/policy_replay.py replay replay.json --costs bf16
+    python benchmarks/policy_replay.py replay replay.json --alternatives   # two branches, oracle
 
 Why: in bf16 a method that verifies several tokens per forward drifts from plain greedy at near-ties
 and is then timed on other text, so a bench of 8-16 prompts cannot tell two policies apart by less
@@ -24,6 +25,11 @@ COSTS = {
     "fp32": {"forward": {1: 1.0, 2: 1.61, 4: 1.61, 8: 1.62, 16: 1.98}, "draft": 0.21},
 }
 METHODS = ("plain", "lookup", "full block", "adaptive", "adaptive+lookup")
+# `--alternatives`: other ways for the two proposals to meet, measured against the one shipped.
+# "two branches": where the first draft and the copy disagree, both are verified in one forward (a tree
+# attention mask; its cost is that of a forward over both); "oracle": each step the best of a plain step,
+# any verify length and the copy, knowing what the target will accept (no policy can do better).
+ALTERNATIVES = ("adaptive+lookup", "two branches", "oracle")
 
 
 def forward_cost(table: dict, tokens: int) -> float:
@@ -90,8 +96,8 @@ def replay(answer: dict, method: str, costs: dict, max_drafts: int = 7) -> tuple
 
     start, text = answer["start"], answer["text"]
     verify = lambda n: forward_cost(costs["forward"], n + 1)  # noqa: E731  (n proposed tokens + the anchor)
-    policy = AdaptiveVerifyLength(max_drafts) if method.startswith("adaptive") else None
-    copy_policy = CopyPolicy(10, policy) if method == "adaptive+lookup" else None
+    policy = AdaptiveVerifyLength(max_drafts) if method.startswith("adaptive") or method == "two branches" else None
+    copy_policy = CopyPolicy(10, policy) if method in ("adaptive+lookup", "two branches") else None
     position, cost = start, 0.0  # position: the anchor, the last committed token
     while position < len(text) - 1:
         j = position - start
@@ -102,15 +108,26 @@ def replay(answer: dict, method: str, costs: dict, max_drafts: int = 7) -> tuple
             accepted, seconds = (answer["accepted_copies"][j], verify(len(copy))) if copy else (0, verify(0))
         elif method == "full block":
             accepted, seconds = drafts, costs["draft"] + verify(max_drafts)
+        elif method == "oracle":
+            options = [(0, verify(0))] + [(min(drafts, n), costs["draft"] + verify(n)) for n in range(1, max_drafts + 1)]
+            if copy:
+                options.append((answer["accepted_copies"][j], verify(len(copy))))
+            accepted, seconds = max(options, key=lambda option: (option[0] + 1) / option[1])
         else:  # as DFlashCandidateGenerator.get_candidates decides
             limit = policy.choose(max_drafts)
             copied = bool(copy) and copy_policy is not None and copy_policy.pays(len(copy), limit)
             # a copy passed over is verified after all when the drafter's first draft agrees with it
             agreed = bool(copy) and copy_policy is not None and not copied and limit > 0 \
                 and answer["drafts"][j][0] == copy[0]
-            if copy and copy_policy is not None and not (copied or agreed):
+            both = method == "two branches" and bool(copy) and limit > 0 and not (copied or agreed)
+            if copy and copy_policy is not None and not (copied or agreed or both):
                 copy_policy.pass_over(position + 1, copy)
-            if copied or agreed:
+            if both:
+                drafted, copied_run = min(drafts, limit), answer["accepted_copies"][j]
+                accepted, seconds = max(drafted, copied_run), costs["draft"] + verify(limit + len(copy))
+                policy.observe(limit, drafted, seconds)
+                copy_policy.stats.observe(len(copy), copied_run)
+            elif copied or agreed:
                 accepted = answer["accepted_copies"][j]
                 seconds = verify(len(copy)) + (costs["draft"] if agreed else 0.0)
                 copy_policy.observe(len(copy), accepted, seconds)
@@ -136,6 +153,7 @@ def main(argv=None) -> None:
     rep = sub.add_parser("replay", help="speedups over plain decoding of each method on the recorded answers")
     rep.add_argument("recorded")
     rep.add_argument("--costs", choices=sorted(COSTS), default="bf16")
+    rep.add_argument("--alternatives", action="store_true", help=f"compare {', '.join(ALTERNATIVES)} instead")
     args = parser.parse_args(argv)
     if args.command == "record":
         record(args.prompts, args.out)
@@ -145,14 +163,15 @@ def main(argv=None) -> None:
     costs = COSTS[args.costs]
     sets = sorted({answer["set"] for answer in answers.values()})
     print(f"speedup over plain decoding, {args.costs} cost model, same text for every method")
-    print(f"{'prompts':22s}" + "".join(f"{m:>17s}" for m in METHODS))
+    methods = ("plain", *ALTERNATIVES) if args.alternatives else METHODS
+    print(f"{'prompts':22s}" + "".join(f"{m:>17s}" for m in methods))
     for name in sets:
         chosen = [a for a in answers.values() if a["set"] == name]
         rates = {}
-        for method in METHODS:
+        for method in methods:
             runs = [replay(answer, method, costs) for answer in chosen]
             rates[method] = sum(t for t, _ in runs) / sum(c for _, c in runs)
-        print(f"{name + f' ({len(chosen)})':22s}" + "".join(f"{rates[m] / rates['plain']:>16.3f}x" for m in METHODS))
+        print(f"{name + f' ({len(chosen)})':22s}" + "".join(f"{rates[m] / rates['plain']:>16.3f}x" for m in methods))
 
 
 if __name__ == "__main__":

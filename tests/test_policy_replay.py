@@ -48,3 +48,38 @@ def test_forward_cost_interpolates_the_table():
     table = {1: 1.0, 2: 1.2, 4: 1.4}
     assert policy_replay.forward_cost(table, 3) == pytest.approx(1.3)
     assert policy_replay.forward_cost(table, 6) == pytest.approx(1.6)  # extrapolated
+
+
+def _disagreeing(length: int):
+    """Every block's drafts all wrong from the first, every copy (10 tokens) right: the two disagree."""
+    answer = _answer(length, 0, copy_from=4)
+    answer["drafts"] = [[-1] * 7 for _ in answer["drafts"]]
+    return answer
+
+
+def test_oracle_takes_the_best_proposal_of_each_step():
+    costs = policy_replay.COSTS["bf16"]
+    answer = _disagreeing(67)  # 11 tokens a step from the copy
+    tokens, cost = policy_replay.replay(answer, "oracle", costs)
+    # the anchor is the first answer token: 66 tokens to go, 11 per copied step (the copy and the target's own)
+    assert cost == pytest.approx(6 * policy_replay.forward_cost(costs["forward"], 11))
+    drafting = _answer(65, 7, None)
+    _, cost = policy_replay.replay(drafting, "oracle", costs)
+    _, full = policy_replay.replay(drafting, "full block", costs)
+    assert cost == pytest.approx(full)  # all 7 drafts right: the full block is the best step
+
+
+def test_two_branches_pay_for_both_and_commit_the_longer():
+    costs = policy_replay.COSTS["bf16"]
+    answer = _answer(128, 7, None)  # every draft right, and a copy found everywhere that is wrong at once
+    answer["copies"] = [[-2] * 10 for _ in answer["copies"]]
+    answer["accepted_copies"] = [0] * len(answer["copies"])
+    tokens, combined = policy_replay.replay(answer, "adaptive+lookup", costs)
+    _, both = policy_replay.replay(answer, "two branches", costs)
+    _, oracle = policy_replay.replay(answer, "oracle", costs)
+    # once the copies have failed they are passed over: the two branches commit the same tokens as the
+    # drafts alone, each step paying for a forward over the copy too
+    assert oracle <= combined < both
+    steps_after_learning = tokens // 8 - 4
+    extra = policy_replay.forward_cost(costs["forward"], 18) - policy_replay.forward_cost(costs["forward"], 8)
+    assert both - combined >= steps_after_learning * extra
