@@ -180,6 +180,9 @@ def smollm2_model_card(drafter, config=None, metrics=None) -> str:
     if "eval" in metrics:
         ev = metrics["eval"]
         lines.append(f"- held-out tau {ev['mean_tau']:.3f} on {ev['num_prompts']} HumanEval prompts (greedy)")
+    if "eval_prose" in metrics:
+        ev = metrics["eval_prose"]
+        lines.append(f"- held-out tau {ev['mean_tau']:.3f} on {ev['num_prompts']} prose prompts (greedy)")
     return text.rstrip() + "\n" + "\n".join(lines) + "\n"
 
 

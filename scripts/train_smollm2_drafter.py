@@ -116,15 +116,24 @@ def held_out_score(folder: Path) -> float:
     return metrics.get("eval", {}).get("mean_tau", 0.0) + prose["mean_tau"]
 
 
-def ship_in_bfloat16(folder: Path) -> None:
-    """Training keeps float32 weights; the package ships bfloat16 (half the size; the drafter runs in the
-    target's dtype anyway, bf16 on the CPUs this targets)."""
+def ship(run: Path) -> None:
+    """Copies the run's drafter into the package. Training keeps float32 weights; the package ships
+    bfloat16 (half the size; the drafter runs in the target's dtype anyway, bf16 on the CPUs this
+    targets). The card is written again from the metrics, which now hold the prose tau too."""
     import torch
 
+    from dflash_hf.embedded import smollm2_model_card
     from dflash_hf.modeling_dflash import DFlashDraftModel
 
-    drafter = DFlashDraftModel.from_pretrained(folder, dtype=torch.bfloat16)
-    drafter.save_pretrained(folder)
+    ASSETS.mkdir(parents=True, exist_ok=True)
+    for name in SHIPPED_FILES:
+        source = run / name
+        if source.exists():
+            shutil.copy2(source, ASSETS / name)
+    drafter = DFlashDraftModel.from_pretrained(ASSETS, dtype=torch.bfloat16)
+    drafter.save_pretrained(ASSETS)
+    metrics = json.loads((ASSETS / "training_metrics.json").read_text())
+    (ASSETS / "README.md").write_text(smollm2_model_card(drafter, metrics=metrics))
 
 
 def latest_step(output_dir: Path) -> int:
@@ -166,12 +175,7 @@ def main(argv=None) -> int:
         # Shipped when it beats the shipped drafter on HumanEval and prose together (a drafter that
         # gains on prose may lose a little on code).
         if args.ship and tau >= args.ship_threshold and tau + point["prose_tau"] > held_out_score(ASSETS):
-            ASSETS.mkdir(parents=True, exist_ok=True)
-            for name in SHIPPED_FILES:
-                source = output_dir / name
-                if source.exists():
-                    shutil.copy2(source, ASSETS / name)
-            ship_in_bfloat16(ASSETS)
+            ship(output_dir)
             print(f"shipped to {ASSETS} (tau {tau:.3f})", flush=True)
     return 0
 

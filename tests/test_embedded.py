@@ -110,3 +110,21 @@ def test_smollm2_converts_and_drafts(monkeypatch, tmp_path):
     plain = target.generate(ids, max_new_tokens=8, do_sample=False)
     fast = target.generate(ids, max_new_tokens=8, do_sample=False, assistant_model=drafter.eval())
     assert torch.equal(plain, fast)
+
+
+def test_smollm2_model_card_reports_this_checkpoint_and_both_held_out_sets():
+    import tiny
+    from dflash_hf.modeling_dflash import DFlashConfig, DFlashDraftModel
+
+    target = tiny.llama_target()
+    drafter = DFlashDraftModel(DFlashConfig.from_target(target, block_size=8, num_draft_layers=2, mask_token_id=tiny.MASK_ID))
+    metrics = {"global_step": 4800, "train_examples": 6683, "eval": {"mean_tau": 1.9437, "num_prompts": 10},
+               "eval_prose": {"mean_tau": 1.2632, "num_prompts": 10}}
+    card = embedded.smollm2_model_card(drafter, metrics=metrics)
+    assert card.startswith("---\n")  # the curated card (YAML metadata) comes first
+    checkpoint = card[card.index("## This checkpoint"):]
+    assert "6683 target-regenerated examples" in checkpoint and "4800 steps" in checkpoint
+    assert "held-out tau 1.944 on 10 HumanEval prompts" in checkpoint
+    assert "held-out tau 1.263 on 10 prose prompts" in checkpoint
+    without_prose = embedded.smollm2_model_card(drafter, metrics={"eval": metrics["eval"]})
+    assert "prose prompts" not in without_prose[without_prose.index("## This checkpoint"):]
