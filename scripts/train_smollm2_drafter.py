@@ -6,9 +6,9 @@
 
 Each round trains `--steps-per-round` more steps (constant learning rate, so a later session simply
 continues; on a machine without the checkpoints it starts from the shipped drafter), then measures
-the held-out HumanEval and prose tau through the decoding loop. With `--ship`, a round whose summed tau beats the
-drafter in dflash_hf/assets/smollm2-dflash/ replaces it (weights, config, remote-code file, model
-card, metrics; never checkpoints, features or the target).
+the held-out HumanEval and prose tau through the decoding loop. With `--ship`, a round whose summed
+tau beats the drafter in dflash_hf/assets/smollm2-dflash/ replaces it (weights, config, remote-code
+file, model card, metrics; never checkpoints, features or the target).
 
 End a run with a decay of the learning rate to zero: the shipped drafter trained 2,806 steps at a
 constant 6e-4, then
