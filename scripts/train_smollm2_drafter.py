@@ -70,8 +70,8 @@ RECIPE = [
 ]
 ASSETS = Path(__file__).resolve().parent.parent / "dflash_hf" / "assets" / "smollm2-dflash"
 PROSE_EVAL = "prose:10"
-SHIPPED_FILES = ("config.json", "model.safetensors", "modeling_dflash.py", "README.md", "training_args.json",
-                 "training_metrics.json")
+# Besides what `save_pretrained` writes (config, weights, remote-code file) and the card `ship` writes.
+SHIPPED_RECORDS = ("training_args.json", "training_metrics.json")
 
 
 def held_out_words() -> set[str]:
@@ -120,7 +120,7 @@ def held_out_score(folder: Path) -> float:
 
 
 def ship(run: Path) -> None:
-    """Copies the run's drafter into the package. Training keeps float32 weights; the package ships
+    """Saves the run's drafter into the package. Training keeps float32 weights; the package ships
     bfloat16 (half the size; the drafter runs in the target's dtype anyway, bf16 on the CPUs this
     targets). The card is written again from the metrics, which now hold the prose tau too."""
     import torch
@@ -129,12 +129,10 @@ def ship(run: Path) -> None:
     from dflash_hf.modeling_dflash import DFlashDraftModel
 
     ASSETS.mkdir(parents=True, exist_ok=True)
-    for name in SHIPPED_FILES:
-        source = run / name
-        if source.exists():
-            shutil.copy2(source, ASSETS / name)
-    drafter = DFlashDraftModel.from_pretrained(ASSETS, dtype=torch.bfloat16)
+    drafter = DFlashDraftModel.from_pretrained(run, dtype=torch.bfloat16)
     drafter.save_pretrained(ASSETS)
+    for name in SHIPPED_RECORDS:
+        shutil.copy2(run / name, ASSETS / name)
     metrics = json.loads((ASSETS / "training_metrics.json").read_text())
     (ASSETS / "README.md").write_text(smollm2_model_card(drafter, metrics=metrics))
 
