@@ -94,6 +94,17 @@ def test_zlab_folder_loads_saves_and_reloads_identically(tmp_path):
     assert all(torch.equal(reloaded.state_dict()[k], v) for k, v in original.items())
 
 
+def test_draft_vocab_is_kept_in_the_config_and_checked(tmp_path):
+    model = DFlashDraftModel.from_pretrained(write_zlab_folder(tmp_path / "zlab"))
+    model.config.dflash_config["draft_vocab"] = [0, 5, 9]
+    model.save_pretrained(tmp_path / "saved")
+    assert set(load_file(str(tmp_path / "saved" / "model.safetensors"))) == set(model.state_dict())  # weights unchanged
+    assert DFlashDraftModel.from_pretrained(tmp_path / "saved").config.draft_vocab == [0, 5, 9]
+    for bad in ([5, 0], [0, 0], [-1, 3], [True], "0,5"):
+        with pytest.raises(ValueError, match="draft_vocab must be ascending"):
+            DFlashConfig(dflash_config={"mask_token_id": 0, "target_layer_ids": [1], "draft_vocab": bad})
+
+
 def test_trust_remote_code_export_is_self_contained(tmp_path):
     model = DFlashDraftModel.from_pretrained(write_zlab_folder(tmp_path / "zlab"))
     model.save_pretrained(tmp_path / "export")

@@ -61,6 +61,35 @@ def test_oracle_drafter_long_and_partial_acceptances(target, block_size, wrong_e
     assert max(oracle.context_lengths[1:]) <= block_size
 
 
+def test_a_draft_vocabulary_drafts_only_its_tokens(target):
+    """With every id as its draft vocabulary the oracle drafts exactly as with the full lm_head; without the
+    ids of two tokens its script uses, the blocks stop at them, and the output is still the target's."""
+    prompt = _prompt(7, 6)
+    expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
+    oracle = drafter(0, cls=OracleDrafter, block_size=8, target_layer_ids=(0, 3))
+    oracle.arm(expected, target.get_output_embeddings())
+    vocab_size = target.get_output_embeddings().out_features
+    runs = {}
+    for name, vocab in {"full": None, "every id": list(range(vocab_size)), "without two": "drop"}.items():
+        if vocab == "drop":
+            dropped = set(expected[0, prompt.shape[1] + 1 :].tolist()[:2])
+            vocab = [i for i in range(vocab_size) if i not in dropped]
+        oracle.config.dflash_config["draft_vocab"] = vocab
+        oracle.arm(expected, target.get_output_embeddings())
+        actual = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=oracle)
+        assert torch.equal(actual, expected), name
+        runs[name] = oracle.last_stats.acceptance_lengths
+    assert runs["every id"] == runs["full"]
+    assert sum(runs["without two"]) == sum(runs["full"]) and len(runs["without two"]) > len(runs["full"])
+
+
+def test_a_draft_vocabulary_beyond_the_target_vocabulary_is_refused(target):
+    model = drafter(0, block_size=4)
+    model.config.dflash_config["draft_vocab"] = [1, target.get_output_embeddings().out_features]
+    with pytest.raises(ValueError, match="outside the target's vocabulary"):
+        target.generate(_prompt(0, 4), max_new_tokens=3, do_sample=False, assistant_model=model)
+
+
 @pytest.mark.parametrize("block_size", (4, 16))
 def test_eos_inside_a_drafted_block(target, block_size):
     prompt = _prompt(11, 5)

@@ -9,10 +9,16 @@ import itertools
 import pytest
 import torch
 from scipy.stats import chisquare
-from transformers import LogitsProcessorList, TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+from transformers import (
+    LogitsProcessorList,
+    SuppressTokensLogitsProcessor,
+    TemperatureLogitsWarper,
+    TopKLogitsWarper,
+    TopPLogitsWarper,
+)
 
 import dflash_hf
-from dflash_hf.generation import decoding
+from dflash_hf.generation import candidate_generator, decoding
 from dflash_hf.generation.decoding import rejection_verify, sampling_noise
 from tiny import OracleDrafter, drafter, qwen3_target
 
@@ -178,6 +184,35 @@ def test_copies_from_the_context_keep_sampling_exact(sampling_target, proposal):
     observed, accepted = sample_first_three(sampling_target, useless, settings, prompt=prompt)
     assert chi_square_pvalue(observed, expected) > ALPHA
     assert useless.last_stats.copied_steps > 0 and accepted > 0
+
+
+@pytest.mark.parametrize("proposal", ["sample", "argmax"])
+def test_a_draft_vocabulary_keeps_sampling_exact(sampling_target, proposal, monkeypatch):
+    """Drafts from the even tokens only (the oracle's odd tokens cannot be drafted: its q then sits on other
+    tokens); with the even tokens suppressed, processors forbid every draft token and q falls back to uniform.
+    Either way the committed tokens follow plain sampling."""
+    drafted = []
+    propose = candidate_generator.DFlashCandidateGenerator._propose
+
+    def spy(self, input_ids, logits):
+        drafts, scores = propose(self, input_ids, logits)
+        drafted.extend(drafts[0].tolist())
+        return drafts, scores
+
+    monkeypatch.setattr(candidate_generator.DFlashCandidateGenerator, "_propose", spy)
+    dflash_hf.enable(sampling_target, proposal=proposal, verify_length=None)
+    oracle = _oracle(sampling_target)
+    even = list(range(0, E2E_VOCAB, 2))
+    oracle.config.dflash_config["draft_vocab"] = even
+    expected = exact_first_three(sampling_target, _processors())
+    observed, accepted = sample_first_three(sampling_target, oracle, {"temperature": 1.0})
+    assert chi_square_pvalue(observed, expected) > ALPHA
+    assert accepted > E2E_SAMPLES // 20 and drafted and all(t % 2 == 0 for t in drafted)
+
+    suppressed = LogitsProcessorList([SuppressTokensLogitsProcessor(even), *_processors()])
+    expected = exact_first_three(sampling_target, suppressed)
+    observed, _ = sample_first_three(sampling_target, oracle, {"temperature": 1.0, "suppress_tokens": even})
+    assert chi_square_pvalue(observed, expected) > ALPHA
 
 
 def test_end_to_end_check_rejects_always_accept(sampling_target, monkeypatch):

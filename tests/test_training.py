@@ -150,6 +150,9 @@ def test_restricted_vocabulary_trains_a_drafter_for_the_full_lm_head(tmp_path):
     drafter, result = train_drafter(target, examples, cfg, save=False, checkpoints=False)
     assert result["final"]["accuracy"] > 0.8
     assert _full_vocab_accuracy(target, drafter, examples) > 0.8
+    # decoding drafts from the labels' tokens
+    labels = {t for e in examples for t, m in zip(e["input_ids"], e["loss_mask"]) if m}
+    assert drafter.config.draft_vocab == sorted(labels) and len(labels) < tiny.VOCAB
     untrained = tiny.drafter(block_size=4, num_layers=2)
     assert _full_vocab_accuracy(target, untrained, examples) < 0.2
 

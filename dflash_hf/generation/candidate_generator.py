@@ -8,7 +8,8 @@ the target's embeddings, the target's lm_head for the drafts. This subclass adds
   the step is a plain decoding step and the drafter does not run (its context waits in a buffer);
 - the way drafts are proposed under sampling (`PROPOSALS`), with the scores q they were drawn from;
 - Gemma's final logit soft-capping on draft logits, as on the target's;
-- the draft logits computed only for the slots that are verified, on the lm_head's device;
+- the draft logits computed only for the slots that are verified, on the lm_head's device, and only
+  over the drafter's `draft_vocab` (the tokens of its training labels) when its config has one;
 - copies from the context (`lookup`): where the last tokens recur in the prompt or output so far, the
   continuation found there (transformers' `PromptLookupCandidateGenerator` finds it) can be verified
   instead of the DFlash block, whichever the policy expects to commit more tokens per second.
@@ -99,6 +100,7 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         )
         self.softcap = logit_softcap(target)
         self.proposal = proposal
+        self.draft_vocab, self.draft_head = self._draft_head(getattr(drafter.config, "draft_vocab", None))
         bounded = verify_length not in (None, ADAPTIVE)
         self.max_drafts = min(verify_length, self.block_size - 1) if bounded else self.block_size - 1
         self.policy = AdaptiveVerifyLength(self.max_drafts) if verify_length == ADAPTIVE and self.max_drafts else None
@@ -160,15 +162,40 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             return input_ids, None
         self.num_drafts = limit
         hidden = self._draft_block(input_ids, model_kwargs)[:, 1 : 1 + limit]
-        head = self.main_model_output_embeddings
-        logits = head(hidden.to(head.weight.device, head.weight.dtype)).float()
-        if self.softcap is not None:  # Gemma caps its logits; the drafts' must match to sample alike
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        drafts, scores = self._propose(input_ids, logits.to(input_ids.device))
+        drafts, scores = self._propose(input_ids, self._draft_logits(hidden).to(input_ids.device))
         agreed = self._agreeing_copy(input_ids, drafts)
         if agreed is not None:
             return agreed
         return torch.cat([input_ids, drafts], dim=-1), scores
+
+    def _draft_head(self, vocab: list[int] | None) -> tuple[torch.Tensor | None, torch.nn.Linear]:
+        """`(ids, head)`: the lm_head's rows of the drafter's `draft_vocab` (copied once per call; a drafter trained
+        on those labels only never needs the other rows), or `(None, the lm_head)`."""
+        head = self.main_model_output_embeddings
+        if not vocab or not isinstance(head, torch.nn.Linear):
+            return None, head
+        if vocab[-1] >= head.out_features:
+            raise ValueError(f"The drafter's draft_vocab has token id {vocab[-1]}, outside the target's vocabulary "
+                             f"({head.out_features} tokens): this drafter was trained for another target.")
+        ids = torch.tensor(vocab, device=head.weight.device)
+        rows = torch.nn.Linear(head.in_features, len(vocab), bias=head.bias is not None,
+                               device=head.weight.device, dtype=head.weight.dtype)
+        rows.weight.data = head.weight.detach()[ids]
+        if head.bias is not None:
+            rows.bias.data = head.bias.detach()[ids]
+        return ids, rows
+
+    def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`(1, k, vocab)` float logits of the drafts from the drafter's `(1, k, hidden)` output (-inf outside the
+        draft vocabulary)."""
+        head = self.draft_head
+        logits = head(hidden.to(head.weight.device, head.weight.dtype)).float()
+        if self.softcap is not None:  # Gemma caps its logits; the drafts' must match to sample alike
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        if self.draft_vocab is None:
+            return logits
+        vocab_size = self.main_model_output_embeddings.out_features
+        return logits.new_full((*logits.shape[:-1], vocab_size), float("-inf")).index_copy_(-1, self.draft_vocab, logits)
 
     def _agreeing_copy(self, input_ids: torch.LongTensor, drafts: torch.LongTensor):
         """The copy passed over at this step, verified after all when the drafter's first draft is its first
@@ -262,6 +289,8 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             for i in range(logits.shape[1]):
                 scores[:, i] = self.logits_processor(ids, logits[:, i])
                 if sample:
+                    if self.draft_vocab is not None:  # processors may forbid every draft token: q uniform then
+                        scores[:, i] = scores[:, i].masked_fill(scores[:, i].isneginf().all(-1, keepdim=True), 0.0)
                     token = torch.multinomial(scores[:, i].softmax(dim=-1), num_samples=1)
                 else:
                     token = scores[:, i].argmax(dim=-1, keepdim=True)

@@ -66,8 +66,8 @@ class TrainConfig:
     gamma: float | None = _arg(None, "decay of the slot weights exp(-(k-1)/gamma); default 7 for block 16, 4 for 8")
     lm_head_chunk: int = _arg(2048, "rows of the frozen lm_head matmul computed at once")
     restrict_vocab: bool = _arg(False, "cross-entropy over the tokens the training labels use, not the whole "
-                                "vocabulary (the frozen lm_head matmul is most of a CPU step); decoding still "
-                                "uses the full lm_head")
+                                "vocabulary (the frozen lm_head matmul is most of a CPU step); the drafter records "
+                                "them as its draft_vocab, from which decoding then drafts")
     precompute_features: bool | None = _arg(None, "compute the target features once (default: in one process)")
     feature_dtype: str = _arg("bfloat16", "dtype of the stored target features")
     mixed_precision: str = _arg("no", "accelerate mixed precision: no, bf16 or fp16", )
@@ -252,6 +252,9 @@ def train_drafter(
     if config.restrict_vocab:
         label_map = label_vocabulary(dataset.examples, lm_head_weight.shape[0])
         lm_head_weight = lm_head_weight.detach()[label_map >= 0].to(accelerator.device)
+        # Decoding then drafts from the tokens the drafter learnt to rank: these labels and an earlier run's.
+        labels = (label_map >= 0).nonzero().flatten().tolist()
+        drafter.config.dflash_config["draft_vocab"] = sorted(set(drafter.config.draft_vocab or []) | set(labels))
         label_map = label_map.to(accelerator.device)
     softcap = logit_softcap(target)
     metrics, epoch_metrics = Metrics(block_size), Metrics(block_size)
