@@ -32,6 +32,7 @@ training. Every option of `dflash-hf train` can be passed through and overrides 
 """
 
 import argparse
+import gzip
 import json
 import re
 import shutil
@@ -41,7 +42,7 @@ from pathlib import Path
 
 from dflash_hf.cli import main as cli_main
 from dflash_hf.evaluation import PROSE_REQUESTS
-from dflash_hf.training.data import docstring_prompts, prose_requests
+from dflash_hf.training.data import MORE_CITY_TEMPLATES, MORE_PROSE_TEMPLATES, docstring_prompts, load_responses, prose_requests
 
 RECIPE = [
     "--target", "smollm2",
@@ -69,6 +70,9 @@ RECIPE = [
     "--eval-max-new-tokens", "128",
 ]
 ASSETS = Path(__file__).resolve().parent.parent / "dflash_hf" / "assets" / "smollm2-dflash"
+# The target's responses, committed: regenerating them takes hours on two cores, and a fresh machine
+# (or one with other packages, hence other docstring prompts) reuses every response whose prompt it shares.
+RESPONSES = Path(__file__).resolve().parent / "smollm2_responses.jsonl.gz"
 PROSE_EVAL = "prose:10"
 # Besides what `save_pretrained` writes (config, weights, remote-code file) and the card `ship` writes.
 SHIPPED_RECORDS = ("training_args.json", "training_metrics.json")
@@ -80,10 +84,13 @@ def held_out_words() -> set[str]:
 
 
 def training_prompts() -> list[str]:
-    """The docstring prompts (two template variants), then the prose requests (one), first occurrence
-    kept, in a fixed order (new sources are appended: cached responses keep their index)."""
-    sources = [(lambda seed: docstring_prompts(seed=seed), (0, 1)),
-               (lambda seed: prose_requests(seed=seed, exclude_words=held_out_words()), (0,))]
+    """The prose requests (the first templates, then the other kinds of text), then the docstring prompts
+    (two template variants), first occurrence kept, in a fixed order: `--num-prompts N` keeps all the prose
+    and a random part of the docstring prompts."""
+    sources = [(lambda seed: prose_requests(seed=seed, exclude_words=held_out_words()), (0,)),
+               (lambda seed: prose_requests(seed=seed, exclude_words=held_out_words(), templates=MORE_PROSE_TEMPLATES,
+                                            city_templates=MORE_CITY_TEMPLATES), (1,)),
+               (lambda seed: docstring_prompts(seed=seed), (0, 1))]
     prompts, seen = [], set()
     for source, seeds in sources:
         for seed in seeds:
@@ -137,6 +144,15 @@ def ship(run: Path) -> None:
     (ASSETS / "README.md").write_text(smollm2_model_card(drafter, metrics=metrics))
 
 
+def save_responses(cache: Path) -> int:
+    """Writes the run's response cache to `RESPONSES` (compressed, one line per prompt); returns the count."""
+    examples = load_responses(cache)
+    # mtime=0: the same responses give the same bytes, so an unchanged cache makes no diff
+    with open(RESPONSES, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as file:
+        file.write("".join(json.dumps(example) + "\n" for example in examples.values()).encode())
+    return len(examples)
+
+
 def latest_step(output_dir: Path) -> int:
     steps = [int(p.name.split("-")[1]) for p in (output_dir / "checkpoints").glob("step-*")]
     return max(steps, default=0)
@@ -149,8 +165,17 @@ def main(argv=None) -> int:
     parser.add_argument("--steps-per-round", type=int, default=400)
     parser.add_argument("--ship", action="store_true", help="copy the drafter into dflash_hf/assets when it beats it")
     parser.add_argument("--ship-threshold", type=float, default=1.5, help="never ship below this held-out tau")
+    parser.add_argument("--save-responses", action="store_true",
+                        help=f"only write the run's response cache to {RESPONSES.name} (also while it is being generated)")
     args, passthrough = parser.parse_known_args(argv)
     output_dir = Path(args.output_dir)
+    cache = output_dir / "data" / "responses.jsonl"
+    if args.save_responses:
+        print(f"{save_responses(cache)} responses written to {RESPONSES}")
+        return 0
+    if not cache.exists() and RESPONSES.is_file():  # a fresh machine starts from the committed responses
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_bytes(gzip.decompress(RESPONSES.read_bytes()))
     output_dir.mkdir(parents=True, exist_ok=True)
     prompt_file = output_dir / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in training_prompts()))
@@ -163,6 +188,7 @@ def main(argv=None) -> int:
                          "--stop-after-steps", str(stop), "--no-progress", *warm_start, *passthrough])
         if code:
             return code
+        save_responses(cache)
         metrics_file = output_dir / "training_metrics.json"
         metrics = json.loads(metrics_file.read_text())
         tau = metrics.get("eval", {}).get("mean_tau", 0.0)

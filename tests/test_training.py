@@ -235,6 +235,27 @@ def test_build_dataset_regenerates_a_response_whose_prompt_changed(tmp_path):
     assert again[1] == tdata.generate_responses(target, [[5, 6]], max_new_tokens=3, stop_ids=[], progress=False)[0]
 
 
+def test_build_dataset_finds_saved_responses_by_prompt_not_by_place(tmp_path):
+    # A prompt list reordered or with prompts missing (docstring prompts depend on the installed packages)
+    # reuses every response whose prompt it still has; only new prompts are generated.
+    target = tiny.llama_target()
+    path = tmp_path / "responses.jsonl"
+    first = tdata.build_dataset(target, [[1, 2], [3, 4], [5, 6]], path, max_new_tokens=3, stop_ids=[], progress=False)
+    lines = path.read_text().splitlines()
+    again = tdata.build_dataset(target, [[5, 6], [9], [1, 2]], path, max_new_tokens=3, stop_ids=[], progress=False)
+    assert again[0] == first[2] and again[2] == first[0]
+    assert len(path.read_text().splitlines()) == len(lines) + 1
+    assert set(tdata.load_responses(path)) == {(1, 2), (3, 4), (5, 6), (9,)}
+
+
+def test_more_prose_templates_ask_for_other_kinds_of_text():
+    first = tdata.prose_requests(seed=0)
+    more = tdata.prose_requests(seed=1, templates=tdata.MORE_PROSE_TEMPLATES, city_templates=tdata.MORE_CITY_TEMPLATES)
+    assert len(more) == len(first) and not set(more) & set(first)
+    kinds = {t.split("{")[0] for t in tdata.MORE_PROSE_TEMPLATES + tdata.MORE_CITY_TEMPLATES}
+    assert all(any(p.startswith(kind) for p in more) for kind in kinds)
+
+
 def test_prose_requests_are_offline_reproducible_and_keep_clear_of_excluded_topics():
     prompts = tdata.prose_requests(seed=3)
     assert len(prompts) > 500 and tdata.prose_requests(seed=3) == prompts

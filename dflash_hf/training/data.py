@@ -135,6 +135,27 @@ CITY_TEMPLATES = (
     "What is {city} known for? Answer in a few paragraphs.",
     "Write a postcard from {city} to a friend.",
 )
+# Other kinds of text over the same topics (dialogue, reports, plans, arguments, instructions, lists),
+# so that a second pass over the topics teaches more than one register.
+MORE_PROSE_TEMPLATES = (
+    "Write a short dialogue between two friends who disagree about a {topic}.",
+    "Write a newspaper report about a {topic} that turned up somewhere unexpected.",
+    "Argue in one paragraph that every home should have a {topic}.",
+    "Explain step by step how you would draw a {topic}.",
+    "Write an advertisement for a {topic}.",
+    "List the advantages and disadvantages of a {topic}.",
+    "Tell a funny anecdote involving a {topic}.",
+    "Write a short essay on why the {topic} matters to people.",
+    "Write a limerick about a {topic}.",
+    "Imagine you are a {topic}. Describe your day in the first person.",
+)
+MORE_CITY_TEMPLATES = (
+    "Plan a three-day itinerary for a first visit to {city}.",
+    "Describe the food a visitor might try in {city}.",
+    "Write a short story set in {city}.",
+    "Write a letter home from a student spending a year in {city}.",
+    "Describe the seasons and the weather in {city}.",
+)
 _NOT_TOPICS = re.compile(
     r"SYMBOL|SIGN|SQUARED|CIRCLED|REGIONAL|MODIFIER|LEFT|RIGHT|UPWARDS|DOWNWARDS|ARROW|FACE|HAND|"
     r"DIGIT|LETTER|ORNAMENT|NEGATIVE|BLACK|WHITE|LARGE|SMALL|MEDIUM|TYPE|COMBINING|WITH|VARIATION|PERSON|"
@@ -165,16 +186,23 @@ def _cities() -> list[str]:
     return sorted(cities)
 
 
-def prose_requests(num_prompts: int | None = None, seed: int = 0, exclude_words: Iterable[str] = ()) -> list[str]:
-    """Offline requests for ordinary text: templates over emoji names and time-zone cities.
+def prose_requests(
+    num_prompts: int | None = None,
+    seed: int = 0,
+    exclude_words: Iterable[str] = (),
+    templates: Sequence[str] = PROSE_TEMPLATES,
+    city_templates: Sequence[str] = CITY_TEMPLATES,
+) -> list[str]:
+    """Offline requests for ordinary text: a template per topic, over emoji names and time-zone cities
+    (`MORE_PROSE_TEMPLATES` and `MORE_CITY_TEMPLATES` ask for other kinds of text).
 
     `exclude_words` drops every topic that shares a word with them (lower case), so that a held-out
     prose set can stay clear of its own topics."""
     rng = random.Random(seed)
     excluded = {word.lower() for word in exclude_words}
-    prompts = [rng.choice(PROSE_TEMPLATES).format(topic=topic)
+    prompts = [rng.choice(templates).format(topic=topic)
                for topic in _emoji_topics() if not excluded.intersection(topic.split())]
-    prompts += [rng.choice(CITY_TEMPLATES).format(city=city)
+    prompts += [rng.choice(city_templates).format(city=city)
                 for city in _cities() if not excluded.intersection(city.lower().split())]
     rng.shuffle(prompts)
     return prompts if num_prompts is None else prompts[:num_prompts]
@@ -254,6 +282,20 @@ def data_fingerprint(prompt_ids: Sequence[Sequence[int]], target_name: str, max_
     return digest.hexdigest()[:16]
 
 
+def load_responses(path: str | os.PathLike) -> dict[tuple[int, ...], dict]:
+    """The examples saved in a JSONL file by `build_dataset`, by their prompt's tokens (the last wins)."""
+    saved = {}
+    with open(path, encoding="utf-8") as file:
+        for line in file:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:  # a line cut by an interruption
+                continue
+            example = {"input_ids": record["input_ids"], "loss_mask": record["loss_mask"]}
+            saved[tuple(example["input_ids"][: example["loss_mask"].count(0)])] = example
+    return saved
+
+
 def build_dataset(
     target,
     prompt_ids: Sequence[Sequence[int]],
@@ -264,29 +306,22 @@ def build_dataset(
     pad_token_id: int | None = None,
     progress: bool = True,
 ) -> list[dict]:
-    """`generate_responses`, saved line by line to `path` (JSONL): a rerun skips what is done."""
+    """`generate_responses`, saved line by line to `path` (JSONL): a rerun skips what is done.
+
+    A saved response is found by its prompt's tokens, not by its place in the list: the prompt list may
+    grow or be reordered (docstring prompts depend on the installed packages), and a cache made on
+    another machine stays valid for every prompt the two lists share."""
     path = Path(path)
-    done: dict[int, dict] = {}
-    if path.exists():
-        with open(path, encoding="utf-8") as file:
-            for line in file:
-                try:
-                    record = json.loads(line)
-                except json.JSONDecodeError:  # a line cut by an interruption
-                    continue
-                index = record["index"]
-                # A response is reused only for the prompt it answers (the prompt list may have grown).
-                if index < len(prompt_ids) and record["input_ids"][: len(prompt_ids[index])] == list(prompt_ids[index]):
-                    done[index] = {"input_ids": record["input_ids"], "loss_mask": record["loss_mask"]}
+    saved = load_responses(path) if path.exists() else {}
+    done = {i: saved[tuple(ids)] for i, ids in enumerate(prompt_ids) if tuple(ids) in saved}
     todo = [i for i in range(len(prompt_ids)) if i not in done]
     if todo:
         path.parent.mkdir(parents=True, exist_ok=True)
         with open(path, "a", encoding="utf-8") as file:
 
             def save(local_index, example):
-                index = todo[local_index]
-                done[index] = example
-                file.write(json.dumps({"index": index, **example}) + "\n")
+                done[todo[local_index]] = example
+                file.write(json.dumps(example) + "\n")
                 file.flush()
 
             generate_responses(
@@ -428,5 +463,7 @@ __all__ = [
     "data_fingerprint",
     "docstring_prompts",
     "generate_responses",
+    "load_responses",
+    "prose_requests",
     "target_layer_features",
 ]
