@@ -170,7 +170,8 @@ def smollm2_model_card(drafter, config=None, metrics=None) -> str:
         "## This checkpoint",
         "",
         f"- block size {cfg.block_size}, {cfg.num_hidden_layers} drafter layers, target layers {cfg.target_layer_ids}, "
-        f"mask token id {cfg.mask_token_id}",
+        f"mask token id {cfg.mask_token_id}"
+        + (f", drafts from {len(cfg.draft_vocab)} tokens (`draft_vocab`: its training labels)" if cfg.draft_vocab else ""),
         f"- {metrics.get('train_examples', '?')} target-regenerated examples, "
         f"{metrics.get('train_response_tokens', '?')} response tokens, {metrics.get('global_step', '?')} steps",
     ]

@@ -128,3 +128,6 @@ def test_smollm2_model_card_reports_this_checkpoint_and_both_held_out_sets():
     assert "held-out tau 1.263 on 10 prose prompts" in checkpoint
     without_prose = embedded.smollm2_model_card(drafter, metrics={"eval": metrics["eval"]})
     assert "prose prompts" not in without_prose[without_prose.index("## This checkpoint"):]
+    assert "draft_vocab" not in checkpoint
+    drafter.config.dflash_config["draft_vocab"] = [3, 4, 9]
+    assert "drafts from 3 tokens" in embedded.smollm2_model_card(drafter, metrics=metrics)
