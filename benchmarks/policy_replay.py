@@ -72,7 +72,12 @@ def record(specs: list[str], out: str) -> None:
                 positions = (anchors[0, :, None] + torch.arange(block)).flatten()[None]
                 features = target_layer_features(target, ids[None], None, dflash["target_layer_ids"])
                 hidden = drafter_block_forward(drafter, embed(block_ids.flatten()[None]), features, anchors, positions)
-                drafts = head(hidden.view(-1, block, hidden.shape[-1])[:, 1:]).argmax(-1).tolist()
+                logits = head(hidden.view(-1, block, hidden.shape[-1])[:, 1:])
+                if drafter.config.draft_vocab:  # decoding drafts from these tokens only
+                    vocab = torch.tensor(drafter.config.draft_vocab)
+                    drafts = vocab[logits[..., vocab].argmax(-1)].tolist()
+                else:
+                    drafts = logits.argmax(-1).tolist()
             text = ids.tolist()
             accepted_drafts, copies, accepted_copies = [], [], []
             for j, anchor in enumerate(range(start, end - 1)):
