@@ -20,15 +20,20 @@ constant 6e-4, then
 held-out tau 1.74 -> 1.92). With the prose requests added it ran again from step 4,300,
 `--rounds 2 --steps-per-round 500 --lr-scheduler-type linear --max-steps 5300` (lr 1.1e-4 -> 0;
 HumanEval tau 1.92 -> 1.94, prose 1.17 -> 1.28; shipped by hand with `ship()`, that run predating
-the prose evaluation). Rerunning without those options continues at the constant rate again.
+the prose evaluation). On a fresh machine (the cache of those 6,683 responses lost), from the shipped
+drafter with the prose requests first and a second pass over their topics with other kinds of text:
+`--rounds 2 --steps-per-round 500 --learning-rate 1e-4 --lr-scheduler-type linear --max-steps 1000
+--num-prompts 4146` (all 2,146 prose requests and 2,000 docstring prompts). Rerunning without those
+options continues at the constant rate again.
 
-Training prompts: every docstring prompt of the standard library and installed packages in two
-template variants (seeds 0 and 1), about 5,600 requests, then (from step 4,300 on) about 1,000
-requests for ordinary text (`prose_requests`: stories, descriptions and letters about emoji names and
-time-zone cities, one template variant, no topic sharing a word with the held-out `prose` set).
-The target's greedy responses (bf16, 160 new tokens) are cached in `<output-dir>/data/responses.jsonl`;
-new prompts are appended, so the cache stays valid. HumanEval and the `prose` bench set never enter
-training. Every option of `dflash-hf train` can be passed through and overrides the recipe below.
+Training prompts: about 2,100 requests for ordinary text (`prose_requests`: stories, descriptions and
+letters about emoji names and time-zone cities, then dialogues, reports, arguments, itineraries over the
+same topics; no topic shares a word with the held-out `prose` set), then every docstring prompt of the
+standard library and installed packages in two template variants (seeds 0 and 1), about 5,600.
+The target's greedy responses (bf16, 160 new tokens) are cached in `<output-dir>/data/responses.jsonl`,
+found by their prompt, and committed in `smollm2_responses.jsonl.gz` beside this script (written after
+each round, or by `--save-responses`), from which a fresh machine starts. HumanEval and the `prose`
+bench set never enter training. Every option of `dflash-hf train` can be passed through and overrides the recipe below.
 """
 
 import argparse
