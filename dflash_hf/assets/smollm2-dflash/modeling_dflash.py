@@ -95,7 +95,10 @@ class DFlashConfig(Qwen3Config):
             and z-lab's code read only the keys they know) record the chat mode the drafter was trained
             in: `chat_template_kwargs` (e.g. `{"enable_thinking": false}`, what the training prompts were
             rendered with) and `think_token_ids` (`[<think> id, </think> id]` of the target's tokenizer),
-            with which a DFlash `generate` warns once when a prompt was rendered in the other mode.
+            with which a DFlash `generate` warns once when a prompt was rendered in the other mode. A third,
+            `draft_vocab` (ascending ids of the target's vocabulary: the tokens of the drafter's training
+            labels), makes the drafts come from those tokens only, through those rows of the lm_head, a
+            fraction of the full lm_head's cost (verification keeps decoding lossless whatever is drafted).
     """
 
     model_type = "dflash"
@@ -230,6 +233,12 @@ class DFlashConfig(Qwen3Config):
     @property
     def target_layer_ids(self) -> list[int]:
         return list(self.dflash_config.get("target_layer_ids") or [])
+
+    @property
+    def draft_vocab(self) -> list[int] | None:
+        """The target's token ids the drafts are proposed from (None: the whole vocabulary)."""
+        ids = self.dflash_config.get("draft_vocab")
+        return list(ids) if ids else None
 
     @classmethod
     def from_pretrained(cls, pretrained_model_name_or_path, **kwargs) -> "DFlashConfig":
@@ -540,6 +549,13 @@ def _check_dflash_config(dflash_config) -> None:
         and all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in think)
     ):
         raise ValueError(f"dflash_config.think_token_ids must be [<think> id, </think> id], got {think!r}.")
+    vocab = dflash_config.get("draft_vocab")
+    if vocab is not None and not (
+        isinstance(vocab, (list, tuple)) and all(isinstance(i, int) and not isinstance(i, bool) for i in vocab)
+        and all(a < b for a, b in zip([-1, *vocab], vocab))  # ascending, from 0 up
+    ):
+        raise ValueError("dflash_config.draft_vocab must be ascending distinct token ids of the target's vocabulary "
+                         f"(the drafter's training labels), got {str(vocab)[:80]}.")
 
 
 def _is_weights_file_error(error: Exception) -> bool:
