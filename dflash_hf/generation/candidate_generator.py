@@ -15,6 +15,8 @@ the target's embeddings, the target's lm_head for the drafts. This subclass adds
   instead of the DFlash block, whichever the policy expects to commit more tokens per second.
 """
 
+import functools
+
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator, PromptLookupCandidateGenerator
@@ -168,31 +170,28 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             return agreed
         return torch.cat([input_ids, drafts], dim=-1), scores
 
-    def _draft_head(self, vocab: list[int] | None) -> tuple[torch.Tensor | None, torch.nn.Linear]:
-        """`(ids, head)`: the lm_head's rows of the drafter's `draft_vocab` (copied once per call; a drafter trained
-        on those labels only never needs the other rows), or `(None, the lm_head)`."""
+    def _draft_head(self, vocab: list[int] | None):
+        """`(ids, rows)`: the drafter's `draft_vocab` and a function computing the lm_head's rows of it (copied once per
+        call; a drafter trained on those labels only never needs the other rows), or `(None, the lm_head)`. Only a
+        plain `nn.Linear` head is cut (a quantised one keeps its own forward)."""
         head = self.main_model_output_embeddings
-        if not vocab or not isinstance(head, torch.nn.Linear):
+        if not vocab or type(head) is not torch.nn.Linear:
             return None, head
         if vocab[-1] >= head.out_features:
             raise ValueError(f"The drafter's draft_vocab has token id {vocab[-1]}, outside the target's vocabulary "
                              f"({head.out_features} tokens): this drafter was trained for another target.")
         ids = torch.tensor(vocab, device=head.weight.device)
-        rows = torch.nn.Linear(head.in_features, len(vocab), bias=head.bias is not None,
-                               device=head.weight.device, dtype=head.weight.dtype)
-        rows.weight.data = head.weight.detach()[ids]
-        if head.bias is not None:
-            rows.bias.data = head.bias.detach()[ids]
-        return ids, rows
+        weight, bias = head.weight.detach()[ids], head.bias.detach()[ids] if head.bias is not None else None
+        return ids, functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
 
     def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """`(1, k, vocab)` float logits of the drafts from the drafter's `(1, k, hidden)` output (-inf outside the
         draft vocabulary)."""
-        head = self.draft_head
+        weight = self.main_model_output_embeddings.weight
         # As a 2-D matrix: the (1, k) slots of a longer block keep the block's batch stride, with which a bf16
         # matmul on the CPU takes a path ~25x slower (SmolLM2's lm_head: 74 ms instead of 3).
-        rows = hidden.reshape(-1, hidden.shape[-1]).to(head.weight.device, head.weight.dtype)
-        logits = head(rows).float().view(*hidden.shape[:-1], -1)
+        rows = hidden.reshape(-1, hidden.shape[-1]).to(weight.device, weight.dtype)
+        logits = self.draft_head(rows).float().view(*hidden.shape[:-1], -1)
         if self.softcap is not None:  # Gemma caps its logits; the drafts' must match to sample alike
             logits = torch.tanh(logits / self.softcap) * self.softcap
         if self.draft_vocab is None:
