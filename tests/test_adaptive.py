@@ -188,6 +188,38 @@ def test_a_position_never_verified_is_priced_like_the_ones_before_it():
     assert policy.acceptance_rates()[3] < 0.1 and policy.best() == 3
 
 
+@pytest.mark.parametrize("per_token", (0.0, 0.05, 0.3))
+def test_cut_keeps_the_drafts_whose_expected_tokens_pay_for_their_verification(per_token):
+    policy = AdaptiveVerifyLength(7, FixedCosts(7, per_token=per_token))
+    confidences = [0.95, 0.9, 0.2, 0.9, 0.9, 0.05, 0.99]
+
+    def throughput(n):  # drafter paid whatever is verified: 1 + draft + per_token * n
+        expected = 1 + sum(torch.tensor(confidences[:k]).prod().item() for k in range(1, n + 1))
+        return expected / (1.2 + per_token * n)
+
+    best = max(range(1, 8), key=lambda n: (throughput(n), -n))
+    assert policy.cut(confidences) == best
+    assert best == {0.0: 7, 0.05: 5, 0.3: 2}[per_token]  # free verification keeps every draft
+    assert policy.cut([0.01] * 7) == (7 if per_token == 0.0 else 1)  # at least one: the drafter already ran
+
+
+def test_unlikely_drafts_are_not_verified_and_output_is_unchanged(fixed_costs):
+    fixed_costs(per_token=0.1)
+    target = dflash_hf.enable(qwen3_target(), lookup=None)
+    ids = prompt(4)
+    expected = target.generate(ids, max_new_tokens=40, do_sample=False)
+    oracle = drafter(0, cls=OracleDrafter, block_size=8, target_layer_ids=(0, 3))
+    oracle.arm(expected, target.get_output_embeddings())
+    oracle.slot_scales = {4: 0.5}  # its fourth draft right but barely more likely than any other token
+    assert torch.equal(target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=oracle), expected)
+    lengths = oracle.last_stats.verify_lengths
+    assert set(lengths[:-1]) == {3} and lengths[-1] <= 3  # the first three (the last step: what room is left)
+    assert oracle.last_stats.drafted_tokens == oracle.last_stats.accepted_tokens
+    oracle.arm(expected, target.get_output_embeddings())
+    out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=oracle, dflash_verify_length=None)
+    assert torch.equal(out, expected) and max(oracle.last_stats.verify_lengths) == 7  # a fixed length is kept
+
+
 def test_limit_is_respected():
     policy = AdaptiveVerifyLength(7, FixedCosts(7, per_token=0.0))
     assert policy.choose(limit=3) == 3

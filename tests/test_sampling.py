@@ -138,13 +138,13 @@ def exact_first_three(target, processors, prompt=PROMPT) -> torch.Tensor:
     return joint.reshape(E2E_VOCAB, E2E_VOCAB, E2E_VOCAB)
 
 
-def sample_first_three(target, assistant, settings, seed=0, samples=E2E_SAMPLES, prompt=PROMPT):
+def sample_first_three(target, assistant, settings, seed=0, samples=E2E_SAMPLES, prompt=PROMPT, max_new_tokens=3):
     """Counts of (t1, t2, t3) over `samples` DFlash generations, and the drafts accepted in total."""
     torch.manual_seed(seed)
     counts, accepted = torch.zeros(E2E_VOCAB**3), 0
     for _ in range(samples):
-        out = target.generate(prompt, do_sample=True, max_new_tokens=3, assistant_model=assistant, **settings)
-        a, b, c = out[0, prompt.shape[1]:].tolist()
+        out = target.generate(prompt, do_sample=True, max_new_tokens=max_new_tokens, assistant_model=assistant, **settings)
+        a, b, c = out[0, prompt.shape[1] : prompt.shape[1] + 3].tolist()
         counts[(a * E2E_VOCAB + b) * E2E_VOCAB + c] += 1
         accepted += assistant.last_stats.accepted_tokens
     return counts, accepted
@@ -213,6 +213,36 @@ def test_a_draft_vocabulary_keeps_sampling_exact(sampling_target, proposal, monk
     expected = exact_first_three(sampling_target, suppressed)
     observed, _ = sample_first_three(sampling_target, oracle, {"temperature": 1.0, "suppress_tokens": even})
     assert chi_square_pvalue(observed, expected) > ALPHA
+
+
+@pytest.mark.parametrize("proposal", ["sample", "argmax"])
+def test_drafts_cut_by_their_own_probability_keep_sampling_exact(sampling_target, proposal, monkeypatch):
+    """The adaptive verify length leaves out drafts the drafter itself finds unlikely: its second draft is the
+    oracle's token with q 0.57, any other with q 0.03, and verifying a draft costs 0.3 plain steps, so under
+    "sample" whether it is verified depends on the token drawn. The committed tokens still follow plain sampling."""
+    from dflash_hf.generation.policy import AdaptiveVerifyLength, StepCosts
+
+    class Costs(StepCosts):  # a drafted step 1.2 + 0.3 per draft, whatever the timings say
+        def observe(self, num_drafts, seconds):
+            pass
+
+    cuts = []
+
+    class Recorded(AdaptiveVerifyLength):
+        def cut(self, confidences):
+            cuts.append((len(confidences), super().cut(confidences)))
+            return cuts[-1][1]
+
+    monkeypatch.setattr(candidate_generator, "AdaptiveVerifyLength",
+                        lambda max_drafts: Recorded(max_drafts, Costs(max_drafts, draft=0.2, per_draft=0.3)))
+    dflash_hf.enable(sampling_target, proposal=proposal, lookup=None)
+    oracle = _oracle(sampling_target)
+    oracle.slot_scales = {2: 3.0}
+    expected = exact_first_three(sampling_target, _processors())
+    observed, accepted = sample_first_three(sampling_target, oracle, {"temperature": 1.0}, max_new_tokens=5)
+    assert chi_square_pvalue(observed, expected) > ALPHA
+    cut = {n < length for length, n in cuts}
+    assert accepted > E2E_SAMPLES // 10 and cut == ({True, False} if proposal == "sample" else {False})
 
 
 def test_end_to_end_check_rejects_always_accept(sampling_target, monkeypatch):

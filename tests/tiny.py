@@ -108,6 +108,7 @@ class OracleDrafter(DFlashDraftModel):
     wrong_every: int = 0
     wrong_slot: int = 2
     logit_scale: float = 20.0  # how sure the oracle is: lower spreads its q over other tokens
+    slot_scales: dict = {}  # block slot -> its own logit scale (an oracle unsure of some slots)
 
     def arm(self, script, lm_head, wrong_every=0, wrong_slot=2):
         self.script, self.lm_head = script[0], lm_head
@@ -131,7 +132,10 @@ class OracleDrafter(DFlashDraftModel):
         if self.wrong_every and self.steps % self.wrong_every == 0 and self.wrong_slot < wanted.shape[0]:
             wanted[self.wrong_slot] = (wanted[self.wrong_slot] + 1) % (self.lm_head.weight.shape[0] - 1)
         weight = self.lm_head.weight.detach().float()
-        targets = torch.nn.functional.one_hot(wanted, weight.shape[0]).float() * self.logit_scale
+        scales = torch.full((wanted.shape[0], 1), self.logit_scale)
+        for slot, scale in self.slot_scales.items():
+            scales[slot] = scale
+        targets = torch.nn.functional.one_hot(wanted, weight.shape[0]).float() * scales
         hidden = (torch.linalg.pinv(weight) @ targets.T).T  # lm_head(hidden) == targets (vocab <= hidden)
         output.last_hidden_state = hidden[None].to(output.last_hidden_state.dtype)
         return output

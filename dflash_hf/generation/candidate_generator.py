@@ -6,6 +6,7 @@ the target's embeddings, the target's lm_head for the drafts. This subclass adds
 
 - a verify length: how many of the `block_size - 1` drafts go to the target (`policy.py`); with 0
   the step is a plain decoding step and the drafter does not run (its context waits in a buffer);
+  once drafted, an unlikely tail (by the drafter's own probabilities) is left out on the CPU;
 - the way drafts are proposed under sampling (`PROPOSALS`), with the scores q they were drawn from;
 - Gemma's final logit soft-capping on draft logits, as on the target's;
 - the draft logits computed only for the slots that are verified, on the lm_head's device, and only
@@ -164,10 +165,19 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             return input_ids, None
         self.num_drafts = limit
         hidden = self._draft_block(input_ids, model_kwargs)[:, 1 : 1 + limit]
-        drafts, scores = self._propose(input_ids, self._draft_logits(hidden).to(input_ids.device))
+        logits = self._draft_logits(hidden).to(input_ids.device)
+        drafts, scores = self._propose(input_ids, logits)
         agreed = self._agreeing_copy(input_ids, drafts)
         if agreed is not None:
             return agreed
+        # The drafter's own probabilities say how far its drafts will be accepted: verify only the part that
+        # pays. Read on the CPU only: on an accelerator it is a host sync between the drafter's forward and
+        # the target's, and a verified draft costs almost nothing there anyway.
+        if self.policy is not None and limit > 1 and drafts.device.type == "cpu":
+            confidence = logits.softmax(dim=-1).gather(-1, drafts[..., None])[..., 0]  # before any processor
+            self.num_drafts = self.policy.cut(confidence[0].tolist())
+            drafts = drafts[:, : self.num_drafts]
+            scores = scores[:, : self.num_drafts] if scores is not None else None
         return torch.cat([input_ids, drafts], dim=-1), scores
 
     def _draft_head(self, vocab: list[int] | None):
