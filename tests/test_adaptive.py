@@ -188,9 +188,15 @@ def test_a_position_never_verified_is_priced_like_the_ones_before_it():
     assert policy.acceptance_rates()[3] < 0.1 and policy.best() == 3
 
 
+def calibrated(policy):
+    """`policy` after one verified draft whose probability (1) was right: its probabilities are trusted as they are."""
+    policy.observe(policy.cut([1.0]), 1)
+    return policy
+
+
 @pytest.mark.parametrize("per_token", (0.0, 0.05, 0.3))
 def test_cut_keeps_the_drafts_whose_expected_tokens_pay_for_their_verification(per_token):
-    policy = AdaptiveVerifyLength(7, FixedCosts(7, per_token=per_token))
+    policy = calibrated(AdaptiveVerifyLength(7, FixedCosts(7, per_token=per_token)))
     confidences = [0.95, 0.9, 0.2, 0.9, 0.9, 0.05, 0.99]
 
     def throughput(n):  # drafter paid whatever is verified: 1 + draft + per_token * n
@@ -203,6 +209,28 @@ def test_cut_keeps_the_drafts_whose_expected_tokens_pay_for_their_verification(p
     assert policy.cut([0.01] * 7) == (7 if per_token == 0.0 else 1)  # at least one: the drafter already ran
 
 
+def test_cut_learns_how_far_the_drafters_probabilities_are_off():
+    # always right but sure of nothing (uniform over 64 tokens): before any evidence every draft is verified,
+    # and then still, because it was right
+    policy = AdaptiveVerifyLength(7, FixedCosts(7, per_token=0.1))
+    unsure = [1 / 64] * 7
+    assert policy.cut(unsure) == 7
+    policy.observe(7, 7)
+    assert policy.cut(unsure) == 7
+    assert calibrated(AdaptiveVerifyLength(7, FixedCosts(7, per_token=0.1))).cut(unsure) == 1  # taken at its word
+    # sure of everything but right only about its first draft: the tail is cut after a few steps
+    sure = calibrated(AdaptiveVerifyLength(7, FixedCosts(7, per_token=0.1)))
+    assert sure.cut([0.99] * 7) == 7
+    for _ in range(5):
+        sure.observe(sure.cut([0.99] * 7), 1)
+    assert sure.cut([0.99] * 7) < 4
+    # a length `cut` did not choose teaches nothing about the probabilities
+    fresh = calibrated(AdaptiveVerifyLength(7, FixedCosts(7, per_token=0.1)))
+    fresh.cut(unsure)
+    fresh.observe(3, 3)
+    assert fresh.cut(unsure) == 1
+
+
 def test_unlikely_drafts_are_not_verified_and_output_is_unchanged(fixed_costs):
     fixed_costs(per_token=0.1)
     target = dflash_hf.enable(qwen3_target(), lookup=None)
@@ -213,7 +241,9 @@ def test_unlikely_drafts_are_not_verified_and_output_is_unchanged(fixed_costs):
     oracle.slot_scales = {4: 0.5}  # its fourth draft right but barely more likely than any other token
     assert torch.equal(target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=oracle), expected)
     lengths = oracle.last_stats.verify_lengths
-    assert set(lengths[:-1]) == {3} and lengths[-1] <= 3  # the first three (the last step: what room is left)
+    # the first block as the policy chose it (nothing yet says how far to trust the probabilities; the unsure draft is right
+    # too), then the first three (the last step: what room is left)
+    assert lengths[0] > 3 and set(lengths[1:-1]) == {3} and lengths[-1] <= 3
     assert oracle.last_stats.drafted_tokens == oracle.last_stats.accepted_tokens
     oracle.arm(expected, target.get_output_embeddings())
     out = target.generate(ids, max_new_tokens=40, do_sample=False, assistant_model=oracle, dflash_verify_length=None)

@@ -218,8 +218,9 @@ def test_a_draft_vocabulary_keeps_sampling_exact(sampling_target, proposal, monk
 @pytest.mark.parametrize("proposal", ["sample", "argmax"])
 def test_drafts_cut_by_their_own_probability_keep_sampling_exact(sampling_target, proposal, monkeypatch):
     """The adaptive verify length leaves out drafts the drafter itself finds unlikely: its second draft is the
-    oracle's token with q 0.57, any other with q 0.03, and verifying a draft costs 0.3 plain steps, so under
-    "sample" whether it is verified depends on the token drawn. The committed tokens still follow plain sampling."""
+    oracle's token with q 0.57, any other with q 0.03, and verifying a draft costs 0.3 plain steps, so whether it
+    is verified depends on the token drawn ("sample") and on how often such drafts were accepted before (both).
+    The committed tokens still follow plain sampling."""
     from dflash_hf.generation.policy import AdaptiveVerifyLength, StepCosts
 
     class Costs(StepCosts):  # a drafted step 1.2 + 0.3 per draft, whatever the timings say
@@ -233,8 +234,12 @@ def test_drafts_cut_by_their_own_probability_keep_sampling_exact(sampling_target
             cuts.append((len(confidences), super().cut(confidences)))
             return cuts[-1][1]
 
-    monkeypatch.setattr(candidate_generator, "AdaptiveVerifyLength",
-                        lambda max_drafts: Recorded(max_drafts, Costs(max_drafts, draft=0.2, per_draft=0.3)))
+    def policy(max_drafts):  # its probabilities trusted from the first step (one right draft of probability 1)
+        recorded = Recorded(max_drafts, Costs(max_drafts, draft=0.2, per_draft=0.3))
+        recorded.observe(recorded.cut([1.0]), 1)
+        return recorded
+
+    monkeypatch.setattr(candidate_generator, "AdaptiveVerifyLength", policy)
     dflash_hf.enable(sampling_target, proposal=proposal, lookup=None)
     oracle = _oracle(sampling_target)
     oracle.slot_scales = {2: 3.0}
@@ -242,7 +247,7 @@ def test_drafts_cut_by_their_own_probability_keep_sampling_exact(sampling_target
     observed, accepted = sample_first_three(sampling_target, oracle, {"temperature": 1.0}, max_new_tokens=5)
     assert chi_square_pvalue(observed, expected) > ALPHA
     cut = {n < length for length, n in cuts}
-    assert accepted > E2E_SAMPLES // 10 and cut == ({True, False} if proposal == "sample" else {False})
+    assert accepted > E2E_SAMPLES // 10 and cut == {True, False}
 
 
 def test_end_to_end_check_rejects_always_accept(sampling_target, monkeypatch):

@@ -100,6 +100,10 @@ class AdaptiveVerifyLength:
         self.plain = False  # decoding plainly until a probe shows that drafting pays again
         self.plain_steps = 0  # since the switch to plain steps or the last probe
         self.probing = False
+        # How much more often drafts are accepted than the drafter's probabilities say (forgotten like the
+        # statistics), and the probabilities of the drafts `cut` chose to verify at this step.
+        self.confidence_gap, self.confidence_weight = 0.0, 0.0
+        self.verified_confidences: list[float] = []
 
     def acceptance_rates(self) -> list[float]:
         """P(draft k accepted | drafts 1..k-1 accepted), k = 1..max_drafts.
@@ -137,17 +141,26 @@ class AdaptiveVerifyLength:
 
         A DFlash drafter's probability of its draft is close to the chance that the target accepts it
         given the drafts before it (SmolLM2's shipped drafter on 20 prompts each of completion, editing and
-        prose: first drafts at 0.2-0.4 accepted 21-26 %, at 0.8-0.95 72-78 %, later ones alike). Its forward is paid
-        whatever is verified, so this is the n in 1..len(confidences) with the most expected tokens per
-        second: where a verified draft costs something (a CPU) an unlikely tail is left out.
+        prose: first drafts at 0.2-0.4 accepted 21-26 %, at 0.8-0.95 72-78 %, later ones alike); a drafter
+        that is right more (or less) often than it says is corrected by the gap measured on this call's
+        verified drafts. Its forward is paid whatever is verified, so this is the n in 1..len(confidences)
+        with the most expected tokens per second: where a verified draft costs something (a CPU) an
+        unlikely tail is left out. Before any verified draft has shown how far to trust the probabilities,
+        every draft is verified (and shows it).
         """
+        confidences = confidences[: self.max_drafts]
+        if not self.confidence_weight:
+            self.verified_confidences = list(confidences)
+            return len(confidences)
+        gap = self.confidence_gap / self.confidence_weight
         seconds = self.costs.seconds()
         best, best_rate, expected, survival = 1, 0.0, 1.0, 1.0
-        for n, confidence in enumerate(confidences[: self.max_drafts], start=1):
-            survival *= confidence
+        for n, confidence in enumerate(confidences, start=1):
+            survival *= min(1.0, max(0.0, confidence + gap))
             expected += survival
             if expected / seconds[n] > best_rate:
                 best, best_rate = n, expected / seconds[n]
+        self.verified_confidences = list(confidences[:best])
         return best
 
     def rate(self, n: int) -> float:
@@ -194,6 +207,13 @@ class AdaptiveVerifyLength:
             self.seen[k] += 1.0
         if num_accepted < num_drafts:
             self.seen[num_accepted] += 1.0
+        if len(self.verified_confidences) == num_drafts:  # drafts chosen by `cut`: how right were its probabilities
+            self.confidence_gap *= self.decay
+            self.confidence_weight *= self.decay
+            for k, confidence in enumerate(self.verified_confidences[: num_accepted + 1]):  # up to the first rejection
+                self.confidence_gap += float(k < num_accepted) - confidence
+                self.confidence_weight += 1.0
+        self.verified_confidences = []
         if self.probing:
             self.probing = False
             # resume only on evidence: a probe that accepted drafts and made drafting pay again
