@@ -82,9 +82,6 @@ def record(specs: list[str], out: str) -> None:
                 else:
                     confidence, drafts = logits.softmax(-1).max(-1)
                     drafts = drafts.tolist()
-                # the target's probability of each committed token when it chose it (plain greedy's logits)
-                target_logits = target(ids[None]).logits[0, start - 1 : end - 2].float()
-                target_confidence = target_logits.softmax(-1).max(-1).values
             text = ids.tolist()
             accepted_drafts, copies, accepted_copies = [], [], []
             for j, anchor in enumerate(range(start, end - 1)):
@@ -97,8 +94,7 @@ def record(specs: list[str], out: str) -> None:
             recorded[item["id"]] = {"set": spec.split(":")[0], "start": start, "text": text, "drafts": drafts,
                                     "accepted_drafts": accepted_drafts, "copies": copies,
                                     "accepted_copies": accepted_copies,
-                                    "draft_confidence": [[round(x, 4) for x in row] for row in confidence.tolist()],
-                                    "target_confidence": [round(x, 4) for x in target_confidence.tolist()]}
+                                    "draft_confidence": [[round(x, 4) for x in row] for row in confidence.tolist()]}
             print(item["id"], end - start, "tokens", flush=True)
     with open(out, "w") as file:
         json.dump(recorded, file)
