@@ -49,7 +49,8 @@ from pathlib import Path
 
 from dflash_hf.cli import main as cli_main
 from dflash_hf.evaluation import PROSE_REQUESTS
-from dflash_hf.training.data import MORE_CITY_TEMPLATES, MORE_PROSE_TEMPLATES, docstring_prompts, load_responses, prose_requests
+from dflash_hf.training.data import (MORE_CITY_TEMPLATES, MORE_PROSE_TEMPLATES, docstring_prompts, load_responses,
+                                     prose_requests, vocabulary_words, word_requests)
 
 RECIPE = [
     "--target", "smollm2",
@@ -81,22 +82,34 @@ ASSETS = Path(__file__).resolve().parent.parent / "dflash_hf" / "assets" / "smol
 # (or one with other packages, hence other docstring prompts) reuses every response whose prompt it shares.
 RESPONSES = Path(__file__).resolve().parent / "smollm2_responses.jsonl.gz"
 PROSE_EVAL = "prose:10"
+# Requests over the target's most frequent vocabulary words (`word_requests`), after the emoji and city ones.
+WORD_PROMPTS = 1500
 # Besides what `save_pretrained` writes (config, weights, remote-code file) and the card `ship` writes.
 SHIPPED_RECORDS = ("training_args.json", "training_metrics.json")
 
 
-def held_out_words() -> set[str]:
+def held_out_words(requests=PROSE_REQUESTS) -> set[str]:
     """The words of the held-out `prose` bench set: no training topic may share one."""
-    return {word for request in PROSE_REQUESTS for word in re.findall(r"[a-z]+", request.lower()) if len(word) > 3}
+    return {word for request in requests for word in re.findall(r"[a-z]+", request.lower()) if len(word) > 3}
+
+
+def smollm2_tokenizer():
+    from transformers import AutoTokenizer
+
+    from dflash_hf import embedded
+
+    return AutoTokenizer.from_pretrained(embedded.smollm2_dir())
 
 
 def training_prompts() -> list[str]:
-    """The prose requests (the first templates, then the other kinds of text), then the docstring prompts
+    """The prose requests (the first templates, then the other kinds of text, then the vocabulary words), then the docstring prompts
     (two template variants), first occurrence kept, in a fixed order: `--num-prompts N` keeps all the prose
     and a random part of the docstring prompts."""
     sources = [(lambda seed: prose_requests(seed=seed, exclude_words=held_out_words()), (0,)),
                (lambda seed: prose_requests(seed=seed, exclude_words=held_out_words(), templates=MORE_PROSE_TEMPLATES,
                                             city_templates=MORE_CITY_TEMPLATES), (1,)),
+               (lambda seed: word_requests(vocabulary_words(smollm2_tokenizer()), num_prompts=WORD_PROMPTS, seed=seed,
+                                           exclude_words=held_out_words()), (0,)),
                (lambda seed: docstring_prompts(seed=seed), (0, 1))]
     prompts, seen = [], set()
     for source, seeds in sources:

@@ -24,3 +24,26 @@ def test_saved_responses_round_trip_and_are_deterministic(tmp_path, monkeypatch)
     assert [json.loads(line) for line in gzip.decompress(saved).decode().splitlines()] == records
     script.save_responses(cache)
     assert script.RESPONSES.read_bytes() == saved  # no diff when nothing changed
+
+
+def test_held_out_prose_keeps_clear_of_every_topic_the_drafter_trained_on():
+    # The shipped drafter trained on the emoji and city requests clear of the first 20 held-out requests;
+    # a later held-out request sharing a word with one of those topics would drop it from the training
+    # prompts, which hides that training but does not undo it.
+    first = script.held_out_words(script.PROSE_REQUESTS[:20])
+    assert len(script.PROSE_REQUESTS) > 20
+    for seed, templates in ((0, {}), (1, {"templates": script.MORE_PROSE_TEMPLATES,
+                                          "city_templates": script.MORE_CITY_TEMPLATES})):
+        assert (script.prose_requests(seed=seed, exclude_words=script.held_out_words(), **templates)
+                == script.prose_requests(seed=seed, exclude_words=first, **templates))
+
+
+def test_vocabulary_word_requests_leave_out_the_held_out_words(monkeypatch):
+    words = ["kettle", "forest", "lighthouse", "printing", "saddle"]
+    monkeypatch.setattr(script, "smollm2_tokenizer", lambda: None)
+    monkeypatch.setattr(script, "vocabulary_words", lambda tokenizer: words)
+    monkeypatch.setattr(script, "docstring_prompts", lambda seed: [])
+    prompts = script.training_prompts()
+    # "forest" and "lighthouse" are in the first held-out requests, "printing" in a later one
+    assert [next(w for w in words if w in request) for request in prompts[-2:]] == ["kettle", "saddle"]
+    assert not any(word in prompt for prompt in prompts for word in ("forest", "lighthouse", "printing"))

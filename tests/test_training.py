@@ -265,6 +265,28 @@ def test_prose_requests_are_offline_reproducible_and_keep_clear_of_excluded_topi
     assert len(kept) == len(prompts) - 2
 
 
+def test_vocabulary_words_are_whole_lower_case_words_in_merge_order():
+    from tokenizers import Tokenizer, decoders, models
+    from transformers import PreTrainedTokenizerFast
+
+    tokens = ["<unk>", "Ġthe", "Ġgarden", "garden", "Ġwalking", "ĠGarden", "Ġkettle", "Ġhi", "Ġsaddle",
+              "Ġgardens", "Ġquickly", "Ġcr4sh", "Ġextraordinarily", "Ġkettle"[1:]]
+    backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [], unk_token="<unk>"))
+    backend.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
+    # no space ("garden"), too short ("the", "hi"), upper case, a digit, inflected, over 12 letters: dropped
+    assert tdata.vocabulary_words(tokenizer, skip=0) == ["garden", "kettle", "saddle", "gardens"]
+    assert tdata.vocabulary_words(tokenizer, skip=1) == ["kettle", "saddle", "gardens"]
+
+
+def test_word_requests_follow_the_word_order_and_leave_out_excluded_words():
+    words = ["kettle", "forest", "saddle", "lantern"]
+    requests = tdata.word_requests(words, num_prompts=2, seed=4, exclude_words=["Forest"])
+    assert requests == tdata.word_requests(words, num_prompts=2, seed=4, exclude_words=["forest"])
+    assert [r for r in requests if "kettle" in r] == requests[:1] and "saddle" in requests[1]
+    assert all(any(r == t.format(word=w) for t in tdata.WORD_TEMPLATES) for r, w in zip(requests, ["kettle", "saddle"]))
+
+
 def test_docstring_prompts_have_no_memory_addresses():
     # smtplib.SMTP's signature shows a sentinel `object()`, printed with its address: varies per run.
     prompts = tdata.docstring_prompts(seed=0, modules=["smtplib"])

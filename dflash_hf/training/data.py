@@ -208,6 +208,49 @@ def prose_requests(
     return prompts if num_prompts is None else prompts[:num_prompts]
 
 
+# Requests over everyday English words, for prose on far more subjects than emoji and cities cover:
+# the whole-word tokens of the target's own vocabulary, most frequent merges first. A byte-pair
+# vocabulary also holds fragments of longer words ("includ", about one in twelve); the target answers
+# those requests too, in its own prose, which is all the drafter learns from.
+WORD_TEMPLATES = (
+    "Write a short article about {word}.",
+    "Tell me something interesting about {word}.",
+    "Write a short story that involves {word}.",
+    "Explain {word} in simple terms.",
+    "Write a paragraph for a school textbook about {word}.",
+    "What do people often get wrong about {word}? Answer in a few paragraphs.",
+)
+# Inflected forms make awkward topics ("Explain considering in simple terms").
+_INFLECTED = re.compile(r"(ing|ed|ly|ies)$")
+
+
+def vocabulary_words(tokenizer, skip: int = 300) -> list[str]:
+    """Lower-case words of 5 to 12 letters that are single tokens with a leading space, in token-id order
+    (a byte-pair vocabulary's merge order: frequent words first), inflected forms dropped, and the first
+    `skip` of them (function words: "their", "which", "about") left out."""
+    words = []
+    for token in tokenizer.convert_ids_to_tokens(range(len(tokenizer))):
+        text = tokenizer.convert_tokens_to_string([token]) if token is not None else ""
+        if text.startswith(" ") and re.fullmatch(r"[a-z]{5,12}", text[1:]) and not _INFLECTED.search(text):
+            words.append(text[1:])
+    return list(dict.fromkeys(words))[skip:]
+
+
+def word_requests(
+    words: Sequence[str],
+    num_prompts: int | None = None,
+    seed: int = 0,
+    exclude_words: Iterable[str] = (),
+    templates: Sequence[str] = WORD_TEMPLATES,
+) -> list[str]:
+    """A request for ordinary text per word (`vocabulary_words`), in the order given, words in
+    `exclude_words` dropped (a held-out prose set's own words), a template drawn per word."""
+    rng = random.Random(seed)
+    excluded = {word.lower() for word in exclude_words}
+    kept = [word for word in words if word not in excluded][:num_prompts]
+    return [rng.choice(templates).format(word=word) for word in kept]
+
+
 def _stop_ids(target, tokenizer=None) -> set[int]:
     eos = target.generation_config.eos_token_id
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
