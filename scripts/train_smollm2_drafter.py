@@ -28,7 +28,8 @@ drafter with the prose requests first and a second pass over their topics with o
 HumanEval tau 1.98 -> 1.97, prose 1.34 -> 1.37, step 7,300 shipped); then with the 1,500 vocabulary-word
 requests, `--num-prompts 5646` into a new output directory (from step 7,300; prose 1.37 -> 1.38, and
 1.330 -> 1.357 on the 40 later `prose` prompts; HumanEval 1.97 -> 1.97; step 8,300 shipped by hand with
-`ship()`: the round at step 7,800 scored higher, 2.01 + 1.37, but its checkpoint was not kept). Rerunning
+`ship()`: the round at step 7,800 scored higher, 2.01 + 1.37, but its checkpoint had been rotated out; a run
+now keeps its best round's drafter in `<output-dir>/best`, for `ship()` by hand). Rerunning
 without those options continues at the constant rate again.
 
 Training prompts: about 2,100 requests for ordinary text (`prose_requests`: stories, descriptions and
@@ -90,6 +91,9 @@ PROSE_EVAL = "prose:10"
 WORD_PROMPTS = 1500
 # Besides what `save_pretrained` writes (config, weights, remote-code file) and the card `ship` writes.
 SHIPPED_RECORDS = ("training_args.json", "training_metrics.json")
+# The drafter of a run's best round so far, in `<output-dir>/best`: checkpoints are rotated, so without it
+# a round that beat the later ones is lost unless it was shipped at once.
+BEST_FILES = ("config.json", "model.safetensors", "modeling_dflash.py", *SHIPPED_RECORDS)
 
 
 def held_out_words(requests=PROSE_REQUESTS) -> set[str]:
@@ -223,6 +227,10 @@ def main(argv=None) -> int:
         with open(curve, "a") as file:
             file.write(json.dumps(point) + "\n")
         print(json.dumps(point), flush=True)
+        if tau + point["prose_tau"] > held_out_score(output_dir / "best"):
+            (output_dir / "best").mkdir(exist_ok=True)
+            for name in BEST_FILES:
+                shutil.copy2(output_dir / name, output_dir / "best" / name)
         # Shipped when it beats the shipped drafter on HumanEval and prose together (a drafter that
         # gains on prose may lose a little on code).
         if args.ship and tau >= args.ship_threshold and tau + point["prose_tau"] > held_out_score(ASSETS):

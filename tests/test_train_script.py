@@ -47,3 +47,30 @@ def test_vocabulary_word_requests_leave_out_the_held_out_words(monkeypatch):
     # "forest" and "lighthouse" are in the first held-out requests, "printing" in a later one
     assert [next(w for w in words if w in request) for request in prompts[-2:]] == ["kettle", "saddle"]
     assert not any(word in prompt for prompt in prompts for word in ("forest", "lighthouse", "printing"))
+
+
+def test_a_run_keeps_its_best_round_although_checkpoints_rotate(tmp_path, monkeypatch):
+    rounds = iter([(2.0, 1.3), (2.1, 1.4), (2.1, 1.3)])  # HumanEval, prose tau: the second round is best
+    prose = {}
+
+    def train(argv):  # what `dflash-hf train` leaves in the output directory
+        out, step = Path(argv[argv.index("--output-dir") + 1]), int(argv[argv.index("--stop-after-steps") + 1])
+        tau, prose["tau"] = next(rounds)
+        (out / "checkpoints" / f"step-{step}").mkdir(parents=True)
+        for name in ("config.json", "modeling_dflash.py", "training_args.json"):
+            (out / name).write_text(name)
+        (out / "model.safetensors").write_text(f"weights of step {step}")
+        (out / "training_metrics.json").write_text(json.dumps({"global_step": step, "eval": {"mean_tau": tau}}))
+        return 0
+
+    monkeypatch.setattr(script, "cli_main", train)
+    monkeypatch.setattr(script, "prose_tau", lambda folder: {"mean_tau": prose["tau"]})
+    monkeypatch.setattr(script, "training_prompts", lambda: ["a prompt"])
+    monkeypatch.setattr(script, "save_responses", lambda cache: 0)
+    monkeypatch.setattr(script, "RESPONSES", tmp_path / "no-responses.jsonl.gz")
+    run = tmp_path / "run"
+    assert script.main(["--output-dir", str(run), "--rounds", "3", "--steps-per-round", "10"]) == 0
+    assert (run / "model.safetensors").read_text() == "weights of step 30"
+    assert (run / "best" / "model.safetensors").read_text() == "weights of step 20"
+    assert script.held_out_score(run / "best") == 2.1 + 1.4
+    assert {p.name for p in (run / "best").iterdir()} == set(script.BEST_FILES)
