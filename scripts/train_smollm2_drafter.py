@@ -110,9 +110,9 @@ def smollm2_tokenizer():
 
 
 def training_prompts() -> list[str]:
-    """The prose requests (the first templates, then the other kinds of text, then the vocabulary words), then the docstring prompts
-    (two template variants), first occurrence kept, in a fixed order: `--num-prompts N` keeps all the prose
-    and a random part of the docstring prompts."""
+    """The prose requests (the first templates, then the other kinds of text, then the vocabulary words), then
+    the docstring prompts (two template variants), first occurrence kept, in a fixed order: `--num-prompts N`
+    keeps all the prose and a random part of the docstring prompts."""
     sources = [(lambda seed: prose_requests(seed=seed, exclude_words=held_out_words()), (0,)),
                (lambda seed: prose_requests(seed=seed, exclude_words=held_out_words(), templates=MORE_PROSE_TEMPLATES,
                                             city_templates=MORE_CITY_TEMPLATES), (1,)),
