@@ -227,13 +227,14 @@ def main(argv=None) -> int:
         with open(curve, "a") as file:
             file.write(json.dumps(point) + "\n")
         print(json.dumps(point), flush=True)
-        if tau + point["prose_tau"] > held_out_score(output_dir / "best"):
-            (output_dir / "best").mkdir(exist_ok=True)
+        score, best = tau + point["prose_tau"], output_dir / "best"
+        if score > held_out_score(best):
+            best.mkdir(exist_ok=True)
             for name in BEST_FILES:
-                shutil.copy2(output_dir / name, output_dir / "best" / name)
+                shutil.copy2(output_dir / name, best / name)
         # Shipped when it beats the shipped drafter on HumanEval and prose together (a drafter that
         # gains on prose may lose a little on code).
-        if args.ship and tau >= args.ship_threshold and tau + point["prose_tau"] > held_out_score(ASSETS):
+        if args.ship and tau >= args.ship_threshold and score > held_out_score(ASSETS):
             ship(output_dir)
             print(f"shipped to {ASSETS} (tau {tau:.3f})", flush=True)
     return 0

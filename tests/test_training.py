@@ -270,7 +270,7 @@ def test_vocabulary_words_are_whole_lower_case_words_in_merge_order():
     from transformers import PreTrainedTokenizerFast
 
     tokens = ["<unk>", "Ġthe", "Ġgarden", "garden", "Ġwalking", "ĠGarden", "Ġkettle", "Ġhi", "Ġsaddle",
-              "Ġgardens", "Ġquickly", "Ġcr4sh", "Ġextraordinarily", "Ġkettle"[1:]]
+              "Ġgardens", "Ġquickly", "Ġcr4sh", "Ġextraordinarily", "kettle"]
     backend = Tokenizer(models.BPE({t: i for i, t in enumerate(tokens)}, [], unk_token="<unk>"))
     backend.decoder = decoders.ByteLevel()
     tokenizer = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>")
