@@ -125,6 +125,40 @@ def test_state_check_catches_a_missing_rollback(target, state_checks, monkeypatc
         target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=oracle)
 
 
+def _repeating_prompt(seed, period=8, length=23):
+    base = _prompt(seed, period)
+    return base.repeat(1, length // period + 1)[:, :length]
+
+
+@pytest.mark.parametrize("lookup", (10, 16))
+@pytest.mark.parametrize("block_size", (4, 8, 16))
+def test_copies_longer_than_the_block_roll_back_exactly(target, state_checks, monkeypatch, block_size, lookup):
+    """The default settings on a prompt that repeats: copied runs of up to `lookup` tokens are verified, longer
+    than the block, and rolling back their rejected tail restores the recurrent state of the last committed token
+    (checked against a fresh forward before every step) however long that tail is."""
+    rolled_back = []
+    crop = LinearAttentionLayer.crop
+
+    def recorded(self, tokens_to_remove):
+        rolled_back.append(-tokens_to_remove)
+        crop(self, tokens_to_remove)
+
+    monkeypatch.setattr(LinearAttentionLayer, "crop", recorded)
+    checked = 0
+    for seed in range(3):
+        prompt = _repeating_prompt(seed)
+        expected = target.generate(prompt, max_new_tokens=40, do_sample=False)
+        model = drafter(seed, block_size=block_size)
+        actual = target.generate(prompt, max_new_tokens=40, do_sample=False, assistant_model=model,
+                                 dflash_verify_length="adaptive", dflash_lookup=lookup)
+        assert torch.equal(actual, expected), seed
+        assert model.last_stats.copied_steps > 0
+        checked += len(model.last_stats.acceptance_lengths)
+    assert len(state_checks) == checked  # the state was compared before every step
+    # a rejected tail as long as the block or longer (as long as the copies allow) was rolled back
+    assert max(rolled_back) >= min(block_size, lookup), max(rolled_back)
+
+
 def test_user_cache_is_used_and_rolled_back(target):
     prompt = _prompt(1)
     expected = target.generate(prompt, max_new_tokens=12, do_sample=False)
@@ -135,17 +169,27 @@ def test_user_cache_is_used_and_rolled_back(target):
     assert cache.get_seq_length() == expected.shape[1] - 1
 
 
-def test_sampling_keeps_the_target_distribution():
-    from test_sampling import ALPHA, E2E_VOCAB, _oracle, _processors, chi_square_pvalue, exact_first_three, sample_first_three
+@pytest.mark.parametrize("proposal", ("sample", "argmax"))
+def test_sampling_is_exactly_the_targets(monkeypatch, proposal):
+    """The committed distribution, computed exactly (tests/test_exact_sampling.py) at the default settings: every
+    rejection rolls the recurrent states back, and what follows is still sampled as the target samples."""
+    from test_exact_sampling import (PROMPT, Clock, Enumerator, assert_same_distribution, dflash_distribution,
+                                     oracle, plain_distribution)
+    from dflash_hf.generation import decoding, verify
 
-    sampler = hybrid_target(seed=3, vocab_size=E2E_VOCAB)
+    torch.set_num_threads(1)
+    enumerator = Enumerator()
+    monkeypatch.setattr(torch, "multinomial", enumerator.multinomial)
+    monkeypatch.setattr(verify, "rejection_verify", enumerator.rejection_verify(verify.rejection_verify))
+    monkeypatch.setattr(decoding, "time", Clock())
+    sampler = hybrid_target(seed=3, vocab_size=3)
     with torch.no_grad():
-        sampler.lm_head.weight.mul_(12.0)
-    expected = exact_first_three(sampler, _processors(temperature=1.0))
-    oracle = _oracle(sampler)
-    observed, accepted = sample_first_three(sampler, oracle, {"temperature": 1.0}, samples=1000)
-    assert chi_square_pvalue(observed, expected) > ALPHA
-    assert accepted > 100
+        sampler.lm_head.weight.mul_(4.0)
+    dflash_hf.enable(sampler, proposal=proposal)
+    assistant = oracle(sampler, block_size=3, second_slot="unsure")
+    actual, stats = dflash_distribution(sampler, assistant, enumerator, num_tokens=3)
+    assert_same_distribution(actual, plain_distribution(sampler, PROMPT, 3))
+    assert any(s.accepted_tokens > 0 for s in stats) and any(s.drafted_tokens > s.accepted_tokens for s in stats)
 
 
 @pytest.mark.parametrize("block_size", (4, 16))

@@ -160,3 +160,20 @@ def tokenizer():
         "{% if add_generation_prompt %}assistant:{% endif %}"
     )
     return tok
+
+
+class ForwardCounter:
+    """Counts the forward calls of a module while in a `with` block (target forwards, drafter forwards)."""
+
+    def __init__(self, module):
+        self.module, self.count = module, 0
+
+    def __enter__(self):
+        self.handle = self.module.register_forward_pre_hook(self._seen)
+        return self
+
+    def __exit__(self, *exc):
+        self.handle.remove()
+
+    def _seen(self, module, args):
+        self.count += 1

@@ -6,7 +6,10 @@ the target's embeddings, the target's lm_head for the drafts. This subclass adds
 
 - a verify length: how many of the `block_size - 1` drafts go to the target (`policy.py`); with 0
   the step is a plain decoding step and the drafter does not run (its context waits in a buffer);
-  once drafted, an unlikely tail (by the drafter's own probabilities) is left out on the CPU;
+  once drafted, an unlikely tail (by the drafter's confidence per slot) is left out on the CPU. Every
+  such choice is taken from the call's statistics and the drafter's distributions q, before any draft
+  is drawn from them: rejection sampling is exact for a proposal fixed before its draw, not for one
+  chosen by looking at it;
 - the way drafts are proposed under sampling (`PROPOSALS`), with the scores q they were drawn from;
 - Gemma's final logit soft-capping on draft logits, as on the target's;
 - the draft logits computed only for the slots that are verified, on the lm_head's device, and only
@@ -25,7 +28,7 @@ from transformers.generation.candidate_generator import DFlashTokenCandidateGene
 from ..targets import logit_softcap
 from .policy import AdaptiveVerifyLength, CopyPolicy
 
-# How drafts are proposed under `do_sample=True` (all three are lossless):
+# How drafts are proposed under `do_sample=True` (all three are exact):
 # - "sample": a draw from the drafter's q; rejection sampling accepts it with prob min(1, p(d) / q(d)).
 # - "argmax": the drafter's most likely token, q one-hot; rejection sampling accepts it with prob p(d).
 # - "match": argmax drafts kept only where they equal an independent sample of the target (the
@@ -116,6 +119,7 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         self.num_drafts = 0  # drafts handed to the target at the current step
         self.copied = False  # whether they were copied from the context rather than drafted
         self.lookup = None
+        self.max_copy = lookup or 0  # the longest copied run a step verifies
         if lookup is not None:
             self.lookup = PromptLookupCandidateGenerator(
                 eos_token_id=None, num_output_tokens=lookup, max_matching_ngram_size=2,
@@ -128,9 +132,11 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         self.copy_policy = CopyPolicy(lookup, self.policy) if lookup is not None and verify_length == ADAPTIVE else None
 
     @property
-    def num_drafting_tokens(self) -> int:
-        # transformers sizes the recurrent-state history (linear-attention layers) by this for rollbacks.
-        return self.block_size
+    def longest_verify(self) -> int:
+        """Tokens of the longest target forward after the prefill: the anchor and the longest proposal, drafted
+        or copied. The target's cache records the states of linear-attention layers for this many positions,
+        the ones a rejection can roll back to."""
+        return 1 + max(self.max_drafts, self.max_copy)
 
     def get_candidates(
         self,
@@ -163,21 +169,22 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
                 return copy
         if limit <= 0:  # a plain step: the target decodes one token, the drafter waits
             return input_ids, None
-        self.num_drafts = limit
         hidden = self._draft_block(input_ids, model_kwargs)[:, 1 : 1 + limit]
+        # The drafter's distributions q of every slot, from one forward: all that decides what is verified below
+        # is fixed before any draft is drawn from them, which keeps rejection sampling exact.
         logits = self._draft_logits(hidden).to(input_ids.device)
-        drafts, scores = self._propose(input_ids, logits)
-        agreed = self._agreeing_copy(input_ids, drafts)
+        agreed = self._agreeing_copy(input_ids, logits)
         if agreed is not None:
             return agreed
-        # The drafter's own probabilities say how far its drafts will be accepted: verify only the part that
-        # pays. Read on the CPU only: on an accelerator it is a host sync between the drafter's forward and
-        # the target's, and a verified draft costs almost nothing there anyway.
-        if self.policy is not None and limit > 1 and drafts.device.type == "cpu":
-            confidence = logits.softmax(dim=-1).gather(-1, drafts[..., None])[..., 0]  # before any processor
-            self.num_drafts = self.policy.cut(confidence[0].tolist())
-            drafts = drafts[:, : self.num_drafts]
-            scores = scores[:, : self.num_drafts] if scores is not None else None
+        # The drafter's confidence says how far its drafts will be accepted: verify only the part that pays. Read
+        # on the CPU only: on an accelerator it is a host sync between the drafter's forward and the target's,
+        # and a verified draft costs almost nothing there anyway.
+        if self.policy is not None and limit > 1 and logits.device.type == "cpu":
+            # the probability of each slot's most likely token, before any processor (under greedy decoding
+            # without processors, that of the draft itself)
+            limit = self.policy.cut(logits.softmax(dim=-1).amax(dim=-1)[0].tolist())
+        self.num_drafts = limit
+        drafts, scores = self._propose(input_ids, logits[:, :limit])
         return torch.cat([input_ids, drafts], dim=-1), scores
 
     def _draft_head(self, vocab: list[int] | None):
@@ -209,17 +216,21 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         vocab_size = self.main_model_output_embeddings.out_features
         return logits.new_full((*logits.shape[:-1], vocab_size), float("-inf")).index_copy_(-1, self.draft_vocab, logits)
 
-    def _agreeing_copy(self, input_ids: torch.LongTensor, drafts: torch.LongTensor):
-        """The copy passed over at this step, verified after all when the drafter's first draft is its first
-        token: where two independent proposals agree the copy is right far more often than the copy
-        statistics say (they average over all copies), and it is longer than the drafts. Replayed on the same
-        text (benchmarks/policy_replay.py, 16 prompts per set, bf16 costs) it took completion from 1.68x to
-        1.75x and editing from 2.26x to 2.36x, prose unchanged. Under sampling the choice depends on the
-        drafter's own sample only, so the copy stays an exact deterministic proposal."""
+    def _agreeing_copy(self, input_ids: torch.LongTensor, logits: torch.Tensor):
+        """The copy passed over at this step, verified after all when the drafter's most likely first token (after
+        the logits processors: the greedy draft) is its first token: where two independent proposals agree the
+        copy is right far more often than the copy statistics say (they average over all copies), and it is
+        longer than the drafts. Replayed on the same text (benchmarks/policy_replay.py, 16 prompts per set, bf16
+        costs) it took completion from 1.68x to 1.75x and editing from 2.26x to 2.36x, prose unchanged. Under
+        sampling that argmax is fixed before any draft is drawn, so verifying the copy (q one-hot) or the drafts
+        stays exact; a rule that looked at a drawn draft would not be."""
         if self.copy_policy is None or not self.copy_policy.passed_over:
             return None
         position, copy = self.copy_policy.passed_over[-1]
-        if position != input_ids.shape[1] or copy[0] != int(drafts[0, 0]):
+        if position != input_ids.shape[1]:
+            return None
+        first = logits[:, 0] if len(self.logits_processor) == 0 else self.logits_processor(input_ids, logits[:, 0].clone())
+        if copy[0] != int(first.argmax(dim=-1)[0]):
             return None
         self.copy_policy.passed_over.pop()  # verified now: not scored as passed over
         return self._copied(input_ids, torch.tensor([copy], dtype=input_ids.dtype, device=input_ids.device))

@@ -21,15 +21,15 @@ import inspect
 import time
 import warnings
 import weakref
-from dataclasses import dataclass, field
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StopStringCriteria
-from transformers.generation.utils import GenerateDecoderOnlyOutput
 
 from ..targets import check_compatible, is_dflash_drafter
 from .candidate_generator import ADAPTIVE, DFlashCandidateGenerator, check_settings
+from .stats import DFlashGenerateOutput, DFlashStats
+from .verify import verify
 
 _SETTINGS = "_dflash_settings"  # where enable() keeps its options, in the instance's __dict__
 DEFAULTS = {"proposal": "sample", "verify_length": ADAPTIVE, "lookup": ADAPTIVE}
@@ -37,86 +37,6 @@ _UNSET = object()
 # Prompt tokens searched for a chat template's think markers: Qwen3's enable_thinking=False generation prompt
 # ends with `<think>\n\n</think>\n\n` (4 tokens), room is left for a prefilled start of the answer.
 CHAT_MODE_WINDOW = 16
-
-
-@dataclass
-class DFlashStats:
-    """Counters of one generate call (each call has its own).
-
-    `acceptance_lengths` has one entry per verification forward of the target (the prefill forward
-    is not counted, as in the reference implementation): drafts accepted plus the one token the
-    target adds itself. Its mean is tau, the tokens committed per target forward.
-    """
-
-    acceptance_lengths: list[int] = field(default_factory=list)
-    # drafts handed to the target at each of those forwards (0: a plain step, the drafter did not run)
-    verify_lengths: list[int] = field(default_factory=list)
-    drafted_tokens: int = 0  # drafts handed to the target for verification
-    accepted_tokens: int = 0  # of those, drafts the target committed
-    copied_steps: int = 0  # forwards that verified a run copied from the context instead of a DFlash block
-    copied_accepted_tokens: int = 0  # copied tokens the target committed (counted in accepted_tokens too)
-    draft_seconds: float = 0.0  # in the drafter (context ingestion + block forward + lm_head + proposal)
-    verify_seconds: float = 0.0  # in the target's forwards and acceptance, prefill included
-
-    def record(self, num_drafts: int, num_accepted: int, copied: bool = False) -> None:
-        """One verification forward: `num_drafts` drafts handed over (`copied` from the context), the first
-        `num_accepted` committed."""
-        self.verify_lengths.append(num_drafts)
-        self.acceptance_lengths.append(num_accepted + 1)
-        self.drafted_tokens += num_drafts
-        self.accepted_tokens += num_accepted
-        if copied:
-            self.copied_steps += 1
-            self.copied_accepted_tokens += num_accepted
-
-    @property
-    def mean_acceptance_length(self) -> float:
-        """tau: tokens committed per verification forward (0.0 before any)."""
-        if not self.acceptance_lengths:
-            return 0.0
-        return sum(self.acceptance_lengths) / len(self.acceptance_lengths)
-
-    @property
-    def plain_steps(self) -> int:
-        """Verification forwards that verified no draft (the adaptive policy found drafting did not pay)."""
-        return sum(1 for n in self.verify_lengths if n == 0)
-
-    @property
-    def acceptance_rate(self) -> float:
-        """Fraction of drafted tokens that were committed."""
-        return self.accepted_tokens / self.drafted_tokens if self.drafted_tokens else 0.0
-
-    @property
-    def num_target_forwards(self) -> int:
-        """Verification forwards plus the prefill."""
-        return len(self.acceptance_lengths) + 1
-
-    @property
-    def committed_tokens(self) -> int:
-        return sum(self.acceptance_lengths)
-
-    def as_dict(self) -> dict:
-        return {
-            "acceptance_lengths": list(self.acceptance_lengths),
-            "verify_lengths": list(self.verify_lengths),
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "acceptance_rate": self.acceptance_rate,
-            "num_target_forwards": self.num_target_forwards,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "copied_steps": self.copied_steps,
-            "copied_accepted_tokens": self.copied_accepted_tokens,
-            "draft_seconds": self.draft_seconds,
-            "verify_seconds": self.verify_seconds,
-            "plain_steps": self.plain_steps,
-        }
-
-
-@dataclass
-class DFlashGenerateOutput(GenerateDecoderOnlyOutput):
-    """`GenerateDecoderOnlyOutput` plus this call's `dflash_stats` (`return_dict_in_generate=True`)."""
-
-    dflash_stats: DFlashStats | None = None
 
 
 @torch.no_grad()
@@ -180,7 +100,7 @@ def dflash_decode(
             processed[:, i] = logits_processor(candidate_ids[:, : length + i], processed[:, i])
         # 3. Accepted prefix + one token of the target's, cut at EOS and max_length; one host sync.
         drafts = candidate_ids[:, length:]
-        num_accepted, next_token = _verify(drafts, draft_scores, processed, generation_config.do_sample, generator.proposal)
+        num_accepted, next_token = verify(drafts, draft_scores, processed, generation_config.do_sample)
         proposed = torch.cat([drafts, next_token[:, None]], dim=-1)
         proposed[:, num_accepted] = next_token  # device-side: position `num_accepted` holds the target's token
         committed, eos_hit = _commit_length(proposed, num_accepted, eos).tolist()
@@ -250,8 +170,9 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
     if (mismatch := chat_mode_mismatch(drafter, input_ids)) is not None:
         warnings.warn(mismatch, UserWarning, stacklevel=2)
     generator = DFlashCandidateGenerator(model, drafter, generation_config, logits_processor, **settings)
-    # Linear-attention and sliding-window layers keep the states of the last tokens, to roll back to.
-    model_kwargs["cache"].activate_past_recording(recurrent_states_to_keep=generator.num_drafting_tokens)
+    # Linear-attention and sliding-window layers keep the states of the last tokens, to roll back to: as many as
+    # the longest verify forward covers (a copied run can be longer than the block).
+    model_kwargs["cache"].activate_past_recording(recurrent_states_to_keep=generator.longest_verify)
     return generator
 
 
@@ -298,87 +219,6 @@ def _extend(model_kwargs: dict, num_tokens: int) -> dict:
     if (types := extended.get("mm_token_type_ids")) is not None:
         extended["mm_token_type_ids"] = torch.cat([types, types.new_zeros(types.shape[0], num_tokens)], dim=-1)
     return extended
-
-
-# --------------------------------------------------------------------------------- accept rules
-def greedy_verify(draft_ids: torch.LongTensor, target_logits: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Accept drafts while they equal the target's argmax; the target's argmax at the first
-    mismatch (or after the last draft) is the extra token.
-
-    Args:
-        draft_ids (`torch.LongTensor` of shape `(batch, k)`): drafted tokens.
-        target_logits (`torch.Tensor` of shape `(batch, k + 1, vocab)`): the target's (processed)
-            scores at the anchor and at every draft.
-    Returns:
-        `accepted` (`(batch,)`, 0..k) and `next_token` (`(batch,)`).
-    """
-    target_ids = target_logits.argmax(dim=-1)
-    accepted = (draft_ids == target_ids[:, :-1]).long().cumprod(dim=-1).sum(dim=-1)
-    next_token = target_ids.gather(1, accepted[:, None]).squeeze(1)
-    return accepted, next_token
-
-
-def rejection_verify(
-    draft_ids: torch.LongTensor,
-    draft_probs: torch.Tensor,
-    target_probs: torch.Tensor,
-    uniform: torch.Tensor,
-    exponential: torch.Tensor,
-) -> tuple[torch.LongTensor, torch.LongTensor]:
-    """Speculative rejection sampling (Leviathan et al. 2023, Chen et al. 2023): the committed
-    tokens are distributed exactly as if sampled from the target one by one.
-
-    Rule: accept draft i with probability min(1, p_i(d_i) / q_i(d_i)); at the first rejection j
-    sample from normalize(max(p_j - q_j, 0)); if all k are accepted, sample from p_k.
-
-    Args:
-        draft_ids (`(batch, k)`): drafts, each drawn from `draft_probs` (a one-hot q is fine).
-        draft_probs (`(batch, k, vocab)`): q, the distributions the drafts were drawn from.
-        target_probs (`(batch, k + 1, vocab)`): p, the target's distributions after the same processing.
-        uniform (`(batch, k)`): U[0, 1) draws for the accept tests.
-        exponential (`(batch, vocab)`): Exp(1) draws; `argmax(r / exponential)` samples from r
-            (the exponential race), so the residual needs no normalisation.
-    Returns:
-        `accepted` (`(batch,)`, 0..k) and `next_token` (`(batch,)`).
-    """
-    batch, k = draft_ids.shape
-    p_draft = target_probs[:, :k].gather(-1, draft_ids[..., None]).squeeze(-1)
-    q_draft = draft_probs.gather(-1, draft_ids[..., None]).squeeze(-1)
-    # u < p/q, written without the division (q > 0 for a drawn draft; p = 0 always rejects)
-    is_accepted = uniform * q_draft < p_draft
-    accepted = is_accepted.long().cumprod(dim=-1).sum(dim=-1)
-
-    index = accepted[:, None, None].expand(batch, 1, target_probs.shape[-1])
-    p_next = target_probs.gather(1, index).squeeze(1)
-    # Past the last draft there is no q: the residual is p itself.
-    q_padded = torch.cat([draft_probs, draft_probs.new_zeros(batch, 1, draft_probs.shape[-1])], dim=1)
-    residual = (p_next - q_padded.gather(1, index).squeeze(1)).clamp_min(0)
-    # p == q to rounding leaves no residual; the rejection then had probability ~0, p is the limit.
-    residual = torch.where(residual.sum(dim=-1, keepdim=True) > 0, residual, p_next)
-    next_token = (residual / exponential).argmax(dim=-1)
-    return accepted, next_token
-
-
-def sampling_noise(batch: int, k: int, vocab: int, device=None, generator: torch.Generator | None = None):
-    """The random draws `rejection_verify` consumes, from torch's RNG (seeded by torch.manual_seed)."""
-    uniform = torch.rand(batch, k, device=device, generator=generator)
-    exponential = torch.empty(batch, vocab, device=device).exponential_(generator=generator)
-    return uniform, exponential
-
-
-def _verify(drafts, draft_scores, target_scores, do_sample: bool, proposal: str):
-    """`(accepted, next_token)` as `(1,)` tensors: greedy prefix match, or lossless sampling."""
-    if not do_sample:
-        return greedy_verify(drafts, target_scores)
-    probs = target_scores.softmax(dim=-1)
-    if drafts.shape[1] == 0:  # a plain step samples exactly as plain generate does
-        return drafts.new_zeros(1), torch.multinomial(probs[:, 0], num_samples=1)[:, 0]
-    if draft_scores is None:  # "match": drafts kept while equal to independent samples of the target
-        sampled = torch.multinomial(probs[0], num_samples=1).T
-        accepted = (drafts == sampled[:, :-1]).long().cumprod(dim=-1).sum(dim=-1)
-        return accepted, sampled.gather(1, accepted[:, None])[:, 0]
-    uniform, exponential = sampling_noise(1, drafts.shape[1], probs.shape[-1], device=probs.device)
-    return rejection_verify(drafts, draft_scores.softmax(dim=-1), probs, uniform, exponential)
 
 
 def _commit_length(proposed: torch.LongTensor, num_accepted: torch.LongTensor, eos) -> torch.LongTensor:
@@ -506,13 +346,4 @@ def dflash_settings(target) -> dict:
     return dict(target.__dict__[_SETTINGS])
 
 
-__all__ = [
-    "DFlashGenerateOutput",
-    "DFlashStats",
-    "dflash_decode",
-    "enable",
-    "generate",
-    "greedy_verify",
-    "is_enabled",
-    "rejection_verify",
-]
+__all__ = ["dflash_decode", "enable", "generate", "is_enabled"]

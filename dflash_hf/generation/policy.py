@@ -10,8 +10,10 @@ probes a drafted step again after 8, 16, 32, ... 128 plain steps (the statistics
 meanwhile, so a probe on text that became easy resumes drafting at once), so a useless drafter costs
 almost nothing and a drafter that becomes useful again is noticed.
 
-The policy only changes how many drafts are verified: the committed tokens are the target's own
-(greedy) or distributed exactly as the target's (rejection sampling) whatever it chooses.
+The policy only changes how many drafts are verified, from the call's statistics and the drafter's
+distributions, never from a drawn draft: the committed tokens are the target's own (greedy) or distributed
+exactly as the target's (rejection sampling is exact for any proposal fixed before its tokens are drawn;
+a length chosen by looking at the drawn drafts would bias it, tests/test_exact_sampling.py).
 """
 
 from __future__ import annotations
@@ -137,16 +139,18 @@ class AdaptiveVerifyLength:
         return max(range(lowest, limit + 1), key=lambda n: (expected[n] / seconds[n], -n))
 
     def cut(self, confidences: list[float]) -> int:
-        """After drafting: how many of the drafts to verify, given the drafter's probability of each.
+        """After the drafter's forward: how many of the drafts to verify, given its confidence in each slot
+        (the probability of the slot's most likely token; greedy drafts are those tokens).
 
-        A DFlash drafter's probability of its draft is close to the chance that the target accepts it
+        A DFlash drafter's probability of its greedy draft is close to the chance that the target accepts it
         given the drafts before it (SmolLM2's shipped drafter on 20 prompts each of completion, editing and
         prose: first drafts at 0.2-0.4 accepted 21-26 %, at 0.8-0.95 72-78 %, later ones alike); a drafter
-        that is right more (or less) often than it says is corrected by the gap measured on this call's
-        verified drafts. Its forward is paid whatever is verified, so this is the n in 1..len(confidences)
-        with the most expected tokens per second: where a verified draft costs something (a CPU) an
-        unlikely tail is left out. Before any verified draft has shown how far to trust the probabilities,
-        every draft is verified (and shows it).
+        that is right more (or less) often than it says, or drafts sampled rather than its argmax, are
+        corrected by the gap measured on this call's verified drafts. Its forward is paid whatever is
+        verified, so this is the n in 1..len(confidences) with the most expected tokens per second: where a
+        verified draft costs something (a CPU) an unlikely tail is left out. Before any verified draft has
+        shown how far to trust the confidences, every draft is verified (and shows it). The confidences
+        are fixed before any draft is drawn, which keeps sampling exact.
         """
         confidences = confidences[: self.max_drafts]
         if not self.confidence_weight:
