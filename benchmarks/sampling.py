@@ -62,9 +62,8 @@ def measure(target, drafter, prompts, temperature, max_new_tokens, seeds) -> dic
         for prompt in prompts:
             for seed in seeds:
                 torch.manual_seed(seed)
-                target.generate(prompt, do_sample=True, temperature=temperature, max_new_tokens=max_new_tokens,
-                                assistant_model=drafter)
-                stats = drafter.last_stats
+                stats = target.generate(prompt, do_sample=True, temperature=temperature, max_new_tokens=max_new_tokens,
+                                        assistant_model=drafter, return_dict_in_generate=True).dflash_stats
                 lengths += stats.acceptance_lengths
                 drafted += stats.drafted_tokens
                 accepted += stats.accepted_tokens

@@ -209,8 +209,9 @@ def run_demo(args: argparse.Namespace) -> int:
     with torch.inference_mode():
         # the streamed answer first, untimed (printing it costs time); then each way twice in alternating
         # order, so that a machine that slows down or speeds up favours neither (the median of two)
-        dflash = target.generate(**inputs, **settings, assistant_model=drafter,
-                                 streamer=TextStreamer(tokenizer, skip_prompt=True))
+        streamed = target.generate(**inputs, **settings, assistant_model=drafter, return_dict_in_generate=True,
+                                   streamer=TextStreamer(tokenizer, skip_prompt=True))
+        dflash, stats = streamed.sequences, streamed.dflash_stats  # this call's own statistics
         target.generate(**inputs, **{**settings, "max_new_tokens": 4})  # plain's first-call allocations
         seconds = {"dflash": [], "plain": []}
         for name in ("plain", "dflash", "dflash", "plain"):
@@ -219,7 +220,6 @@ def run_demo(args: argparse.Namespace) -> int:
             if name == "plain":
                 plain = output
     dflash_seconds, plain_seconds = (sum(seconds[name]) / 2 for name in ("dflash", "plain"))
-    stats = drafter.last_stats
     new_tokens = dflash.shape[1] - inputs["input_ids"].shape[1]
     copies = f" ({stats.copied_steps} of them verified copies from the context)" if args.lookup != 0 else ""
     print(f"\n{new_tokens} tokens, tau {stats.mean_acceptance_length:.2f} over {stats.num_target_forwards} target "

@@ -197,8 +197,8 @@ def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
 
 def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None, verify_length=None, lookup=None):
     """Greedy `generate` of `target` (with DFlash when `drafter` is given, verifying `verify_length`
-    drafts per step; copying up to `lookup` tokens from the context, alone without a drafter) and its
-    wall time."""
+    drafts per step; copying up to `lookup` tokens from the context, alone without a drafter): the sequences,
+    the call's own `DFlashStats` (None without a drafter) and its wall time."""
     kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id
@@ -211,8 +211,11 @@ def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None, veri
             output = target.generate(ids, **kwargs)
         else:  # the lookup setting explicitly: None runs DFlash alone, whatever the default
             output = generate(target, ids, assistant_model=drafter, dflash_verify_length=verify_length,
-                              dflash_lookup=lookup, **kwargs)
-    return output, time.perf_counter() - start
+                              dflash_lookup=lookup, return_dict_in_generate=True, **kwargs)
+    seconds = time.perf_counter() - start
+    if drafter is None:
+        return output, None, seconds
+    return output.sequences, output.dflash_stats, seconds
 
 
 def run_bench(
@@ -269,10 +272,9 @@ def run_bench(
             # alternate the order: a machine that slows down or speeds up favours no run
             for key in order if (index + repeat) % 2 == 0 else order[::-1]:
                 settings = baselines.get(key, runs.get(key))
-                outputs[key], elapsed = _generate(target, ids, max_new_tokens, eos_token_id=eos_token_id, **settings)
+                sequences, stats, elapsed = _generate(target, ids, max_new_tokens, eos_token_id=eos_token_id, **settings)
                 seconds[key].append(elapsed)
-                if key in runs:
-                    outputs[key] = (outputs[key], drafter.last_stats)
+                outputs[key] = (sequences, stats) if key in runs else sequences
             bar.update(len(order) if repeat == 0 else 0)
         for key in baselines:
             new = outputs[key].shape[1] - ids.shape[1]
