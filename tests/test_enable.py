@@ -9,7 +9,7 @@ import torch
 from transformers import GenerationMixin, Qwen3ForCausalLM
 
 import dflash_hf
-from tiny import drafter, qwen3_target
+from tiny import ForwardCounter, drafter, qwen3_target
 
 
 def test_import_alone_patches_nothing():
@@ -64,10 +64,11 @@ def test_each_call_has_its_own_stats():
     model = drafter(0)
     target.generate(torch.tensor([[1, 2]]), max_new_tokens=9, assistant_model=model, do_sample=False)
     first = model.last_stats
-    target.generate(torch.tensor([[1, 2]]), max_new_tokens=3, assistant_model=model, do_sample=False)
+    with ForwardCounter(target) as forwards:
+        target.generate(torch.tensor([[1, 2]]), max_new_tokens=3, assistant_model=model, do_sample=False)
     assert model.last_stats is not first and model.last_stats.committed_tokens == 2
     stats = model.last_stats.as_dict()
-    assert stats["num_target_forwards"] == len(stats["acceptance_lengths"]) + 1
+    assert stats["num_target_forwards"] == forwards.count
     assert stats["draft_seconds"] > 0 and stats["verify_seconds"] > 0
 
 

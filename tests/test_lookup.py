@@ -26,7 +26,6 @@ def test_greedy_output_unchanged_and_copies_accepted(looping):
         assert torch.equal(out, script)
         stats = useless.last_stats
         assert stats.copied_steps > 0 and stats.copied_accepted_tokens > 0
-        assert stats.copied_accepted_tokens <= stats.accepted_tokens
     # without lookup the same useless drafter commits (about) one token per forward
     dflash_hf.generate(target, prompt, max_new_tokens=40, do_sample=False, assistant_model=useless, dflash_lookup=None)
     assert useless.last_stats.copied_steps == 0

@@ -30,7 +30,7 @@ from transformers import (
 )
 
 import dflash_hf
-from tiny import MASK_ID, TARGET_LAYERS, VOCAB, OracleDrafter, _common, drafter
+from tiny import MASK_ID, TARGET_LAYERS, VOCAB, ForwardCounter, OracleDrafter, _common, drafter
 
 WINDOW = 4  # the target's sliding window: every prompt + generation below is longer
 
@@ -137,12 +137,13 @@ def test_oracle_drafter_long_and_partial_acceptances(target, block_size, wrong_e
     expected = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False)
     oracle = drafter(0, cls=OracleDrafter, block_size=block_size, target_layer_ids=(0, 3))
     oracle.arm(expected, target.get_output_embeddings(), wrong_every=wrong_every, wrong_slot=2)
-    actual = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=oracle)
+    with ForwardCounter(target) as forwards:
+        actual = target.generate(prompt, max_new_tokens=max_new_tokens, do_sample=False, assistant_model=oracle)
     assert torch.equal(actual, expected)
 
     stats = oracle.last_stats
     assert stats.committed_tokens == max_new_tokens - 1
-    assert stats.num_target_forwards == len(stats.acceptance_lengths) + 1
+    assert stats.num_target_forwards == forwards.count
     if wrong_every == 0:
         # Every draft right: whole blocks, each verify forward spanning several target windows.
         assert stats.acceptance_lengths[:-1] == [block_size] * (len(stats.acceptance_lengths) - 1)
