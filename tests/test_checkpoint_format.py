@@ -2,16 +2,19 @@
 
 import ast
 import json
+import warnings
 from pathlib import Path
 
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
 from transformers import AutoConfig, AutoModel
+from transformers.testing_utils import CaptureLogger
+from transformers.utils import logging as hf_logging
 
 import dflash_hf
-from dflash_hf import DFlashConfig, DFlashDraftModel
-from tiny import HIDDEN, MASK_ID, VOCAB, qwen3_target
+from dflash_hf import DFlashConfig, DFlashDraftModel, embedded, export
+from tiny import HIDDEN, MASK_ID, VOCAB, drafter, qwen3_target
 
 ZLAB_CONFIG = {  # the shape of z-lab/Qwen3-8B-DFlash-b16's config.json, scaled down
     "architectures": ["DFlashDraftModel"],
@@ -164,3 +167,35 @@ def test_autoconfig_knows_dflash():
     config = AutoConfig.for_model("dflash", **{k: v for k, v in ZLAB_CONFIG.items() if k != "model_type"})
     assert isinstance(config, DFlashConfig)
     assert isinstance(AutoModel.from_config(config), DFlashDraftModel)
+
+
+def rope_as_transformers_4_reads_it(folder: Path) -> dict:
+    """What a transformers-4.x Qwen3Config (z-lab's reference code pins 4.57.1; vLLM and SGLang on 4.x) takes
+    from config.json for RoPE: the top-level fields with 4.57's defaults. It knows no `rope_parameters`."""
+    config = json.loads((folder / "config.json").read_text())
+    return {"rope_theta": config.get("rope_theta", 10000.0), "rope_scaling": config.get("rope_scaling")}
+
+
+def test_transformers_4_readers_get_the_drafters_rope(tmp_path):
+    assert rope_as_transformers_4_reads_it(embedded.DRAFTER_DIR) == {"rope_theta": 100000.0, "rope_scaling": None}
+
+    drafter(0, rope_parameters={"rope_type": "default", "rope_theta": 123456.0}).save_pretrained(tmp_path / "saved")
+    assert rope_as_transformers_4_reads_it(tmp_path / "saved") == {"rope_theta": 123456.0, "rope_scaling": None}
+
+    # a scaled RoPE reaches 4.x as `rope_scaling`: the same parameters, the theta beside them
+    yarn = {"rope_type": "yarn", "rope_theta": 150000.0, "factor": 8.0, "beta_fast": 32.0, "beta_slow": 1.0,
+            "original_max_position_embeddings": 64}
+    model = drafter(1, block_size=4, rope_parameters=dict(yarn))
+    export.export(model, tmp_path / "export")
+    assert rope_as_transformers_4_reads_it(tmp_path / "export") == {
+        "rope_theta": 150000.0, "rope_scaling": {k: v for k, v in yarn.items() if k != "rope_theta"}}
+
+    # transformers 5 reads `rope_parameters` alone: no warning about the legacy fields, nothing applied twice
+    with CaptureLogger(hf_logging.get_logger("transformers")) as logs, warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert DFlashConfig.from_pretrained(tmp_path / "saved").rope_parameters == {"rope_type": "default",
+                                                                                     "rope_theta": 123456.0}
+        assert DFlashDraftModel.from_pretrained(tmp_path / "export").config.rope_parameters == yarn
+    assert logs.out == ""
+    stale = dict(json.loads((tmp_path / "saved" / "config.json").read_text()), rope_theta=1.0)
+    assert DFlashConfig.from_dict(stale).rope_parameters == {"rope_type": "default", "rope_theta": 123456.0}

@@ -33,6 +33,22 @@ from transformers.models.qwen3.modeling_qwen3 import (
 # Written as `model_type` so that vLLM, SGLang and z-lab's loader read what we save unchanged.
 CHECKPOINT_MODEL_TYPE = "qwen3"
 
+# Where transformers 4.x's Qwen3Config (z-lab's code pins 4.57.1; vLLM and SGLang pin their own) reads the RoPE
+# that transformers 5 keeps only in `rope_parameters`.
+LEGACY_ROPE_FIELDS = ("rope_theta", "rope_scaling")
+
+
+def legacy_rope_fields(rope_parameters) -> dict:
+    """`rope_parameters` spelt the transformers 4.x way: `rope_theta`, and `rope_scaling` (the same dict
+    without the theta) for a rope type other than default. Without them a 4.x reader silently runs RoPE
+    with its defaults, theta 10,000 and no scaling. Empty for per-layer-type RoPE, which 4.x Qwen3 lacks."""
+    if not isinstance(rope_parameters, dict) or "rope_theta" not in rope_parameters:
+        return {}
+    fields = {"rope_theta": rope_parameters["rope_theta"]}
+    if rope_parameters.get("rope_type", "default") != "default":
+        fields["rope_scaling"] = {key: value for key, value in rope_parameters.items() if key != "rope_theta"}
+    return fields
+
 
 def build_target_layer_ids(num_target_layers: int, num_draft_layers: int) -> list[int]:
     """Default `target_layer_ids` of z-lab checkpoints that omit them: the middle layer for a
@@ -257,12 +273,16 @@ class DFlashConfig(Qwen3Config):
                 "{mask_token_id, target_layer_ids}`; load targets with AutoModelForCausalLM instead."
             )
         _check_dflash_config(config_dict["dflash_config"])
-        config_dict = {key: value for key, value in config_dict.items() if key != "model_type"}
+        # `rope_parameters` is the RoPE; the `rope_theta`/`rope_scaling` beside it are only its transformers 4
+        # spelling (see `to_dict`), dropped so that transformers 5 never reads them (or warns) on top of it.
+        legacy = LEGACY_ROPE_FIELDS if config_dict.get("rope_parameters") is not None else ()
+        config_dict = {key: value for key, value in config_dict.items() if key != "model_type" and key not in legacy}
         return super().from_dict(config_dict, **kwargs)
 
     def to_dict(self) -> dict:
         output = super().to_dict()
         output["model_type"] = CHECKPOINT_MODEL_TYPE
+        output.update(legacy_rope_fields(output.get("rope_parameters")))
         return output
 
 
