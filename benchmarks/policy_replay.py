@@ -102,16 +102,18 @@ def record(specs: list[str], out: str) -> None:
 
 def replay(answer: dict, method: str, costs: dict, max_drafts: int = 7) -> tuple[int, float]:
     """(tokens, cost in plain steps) of decoding `answer` with `method`; the policies are the package's."""
-    from dflash_hf.generation.policy import AdaptiveVerifyLength, CopyPolicy
+    from dflash_hf.generation.policy import AdaptiveVerifyLength, CopyPolicy, StepPlanner
 
     start, text = answer["start"], answer["text"]
     verify = lambda n: forward_cost(costs["forward"], n + 1)  # noqa: E731  (n proposed tokens + the anchor)
     policy = AdaptiveVerifyLength(max_drafts) if method.startswith("adaptive") or method == "two branches" else None
     copy_policy = CopyPolicy(10, policy) if method in ("adaptive+lookup", "two branches") else None
+    planner = StepPlanner(max_drafts, policy, copy_policy)  # the decisions DFlashCandidateGenerator takes
     position, cost = start, 0.0  # position: the anchor, the last committed token
     while position < len(text) - 1:
         j = position - start
         drafts, copy = answer["accepted_drafts"][j], answer["copies"][j]
+        plan = None
         if method == "plain":
             accepted, seconds = 0, verify(0)
         elif method == "lookup":
@@ -123,36 +125,35 @@ def replay(answer: dict, method: str, costs: dict, max_drafts: int = 7) -> tuple
             if copy:
                 options.append((answer["accepted_copies"][j], verify(len(copy))))
             accepted, seconds = max(options, key=lambda option: (option[0] + 1) / option[1])
-        else:  # as DFlashCandidateGenerator.get_candidates decides
-            limit = policy.choose(max_drafts)
-            copied = bool(copy) and copy_policy is not None and copy_policy.pays(len(copy), limit)
-            # a copy passed over is verified after all when the drafter's first draft agrees with it
-            agreed = bool(copy) and copy_policy is not None and not copied and limit > 0 \
-                and answer["drafts"][j][0] == copy[0]
-            both = method == "two branches" and bool(copy) and limit > 0 and not (copied or agreed)
-            if copy and copy_policy is not None and not (copied or agreed or both):
-                copy_policy.pass_over(position + 1, copy)
-            if both:
-                drafted, copied_run = min(drafts, limit), answer["accepted_copies"][j]
-                accepted, seconds = max(drafted, copied_run), costs["draft"] + verify(limit + len(copy))
-                policy.observe(limit, drafted, seconds)
+        else:  # the decisions of DFlashCandidateGenerator.propose, by the same StepPlanner
+            # the room the generator leaves: the answer's end here
+            plan = planner.before_draft(position + 1, len(text) - position - 1, copy if copy_policy is not None else None)
+            ran_drafter = plan.copy is None and plan.num_drafts > 0
+            if ran_drafter:  # the greedy first draft and the drafter's confidence per slot, as the CPU reads them
+                confidences = answer["draft_confidence"][j] if "draft_confidence" in answer else None
+                plan = planner.after_draft(plan, answer["drafts"][j][0], confidences)
+            if method == "two branches" and plan.copy is None and copy_policy.passed_over \
+                    and copy_policy.passed_over[-1][0] == position + 1:
+                # the copy passed over at this step (its first token and the first draft disagree) is verified in the
+                # same forward as the drafts, instead of being scored as passed over
+                copy_policy.passed_over.pop()
+                drafted, copied_run = min(drafts, plan.num_drafts), answer["accepted_copies"][j]
+                accepted, seconds = max(drafted, copied_run), costs["draft"] + verify(plan.num_drafts + len(copy))
                 copy_policy.stats.observe(len(copy), copied_run)
-            elif copied or agreed:
+                policy.observe(plan.num_drafts, drafted, seconds)
+                plan = None
+            elif plan.copy is not None:
                 accepted = answer["accepted_copies"][j]
-                seconds = verify(len(copy)) + (costs["draft"] if agreed else 0.0)
-                copy_policy.observe(len(copy), accepted, seconds)
-            elif limit > 0:
-                if "draft_confidence" in answer and limit > 1:  # as the generator cuts on the CPU
-                    limit = policy.cut(answer["draft_confidence"][j][:limit])
-                accepted, seconds = min(drafts, limit), costs["draft"] + verify(limit)
-                policy.observe(limit, accepted, seconds)
+                seconds = verify(len(copy)) + (costs["draft"] if ran_drafter else 0.0)
             else:
-                accepted, seconds = 0, verify(0)
-                policy.observe(0, 0, seconds)
+                accepted = min(drafts, plan.num_drafts)
+                seconds = (costs["draft"] if plan.num_drafts else 0.0) + verify(plan.num_drafts)
+        if plan is not None:
+            planner.observe(plan, accepted, seconds, text[: position + accepted + 2])
+        elif copy_policy is not None and copy_policy.passed_over:  # (two branches: the copies passed over before)
+            copy_policy.score_passed_over(text[copy_policy.passed_over[0][0] : position + accepted + 2])
         cost += seconds
         position += accepted + 1
-        if copy_policy is not None and copy_policy.passed_over:
-            copy_policy.score_passed_over(text[copy_policy.passed_over[0][0] : position + 1])
     return len(text) - start, cost
 
 

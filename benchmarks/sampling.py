@@ -24,7 +24,7 @@ import torch
 import dflash_hf
 from dflash_hf.generation.candidate_generator import DFlashCandidateGenerator
 
-from dflash_hf.generation import decoding
+from dflash_hf.generation import api
 
 PROPOSALS = ("argmax", "sample", "match")
 
@@ -111,11 +111,11 @@ def main(argv=None):
                 result = measure(target, drafter, prompts, temperature, args.max_new_tokens, seeds)
             else:
                 # the synthetic oracle replaces the drafter's forward inside the candidate generator
-                original, decoding.DFlashCandidateGenerator = decoding.DFlashCandidateGenerator, GreedyPathOracle
+                original, api.DFlashCandidateGenerator = api.DFlashCandidateGenerator, GreedyPathOracle
                 try:
                     result = measure(target, drafter, prompts, temperature, args.max_new_tokens, seeds)
                 finally:
-                    decoding.DFlashCandidateGenerator = original
+                    api.DFlashCandidateGenerator = original
             rows.append({"pair": name, "temperature": temperature, **{p: result[p] for p in PROPOSALS}})
 
     print(f"{'pair':24} {'T':>4} " + " ".join(f"{p + ' tau':>11} {p + ' acc':>11}" for p in PROPOSALS))

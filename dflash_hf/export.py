@@ -5,8 +5,9 @@ self-contained `modeling_dflash.py`: vLLM, SGLang and z-lab's code load it uncha
 and `custom_generate/generate.py`, which transformers runs for
 `target.generate(..., custom_generate=<folder or repo>, trust_remote_code=True)` with no dflash-hf
 installed. That file is not maintained by hand: it is assembled from this package's own decoding
-modules (`targets.py` and `generation/`'s `policy.py`, `verify.py`, `stats.py`, `candidate_generator.py`,
-`decoding.py`, in that order, imports merged), so it is the same code the package runs.
+modules (`targets.py` and `generation/`'s `policy.py`, `lookup.py`, `verify.py`, `stats.py`,
+`candidate_generator.py`, `decoding.py`, `api.py`, in that order, imports merged), so it is the same code the
+package runs.
 """
 
 from __future__ import annotations
@@ -22,8 +23,9 @@ from pathlib import Path
 from .modeling_dflash import DFlashDraftModel
 
 PACKAGE = Path(__file__).resolve().parent
-GENERATE_SOURCES = ("targets.py", "generation/policy.py", "generation/verify.py", "generation/stats.py",
-                    "generation/candidate_generator.py", "generation/decoding.py")
+GENERATE_SOURCES = ("targets.py", "generation/policy.py", "generation/lookup.py", "generation/verify.py",
+                    "generation/stats.py", "generation/candidate_generator.py", "generation/decoding.py",
+                    "generation/api.py")
 MIN_TRANSFORMERS = "5.25"
 
 

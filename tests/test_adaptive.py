@@ -6,7 +6,7 @@ from transformers import GenerationConfig
 
 import dflash_hf
 from dflash_hf.generation import candidate_generator
-from dflash_hf.generation.decoding import dflash_settings
+from dflash_hf.generation.api import dflash_settings
 from dflash_hf.generation.policy import AdaptiveVerifyLength, StepCosts
 from tiny import MASK_ID, ForwardCounter, OracleDrafter, drafter, gemma4_target, qwen3_target
 

@@ -98,7 +98,7 @@ def test_cli_structure_and_humaneval_refused_for_training(capsys):
 
 def test_bench_sweeps_verify_lengths_per_call_and_keeps_the_users_settings():
     import dflash_hf
-    from dflash_hf.generation.decoding import dflash_settings
+    from dflash_hf.generation.api import dflash_settings
 
     target = dflash_hf.enable(tiny.qwen3_target(), proposal="argmax", verify_length=2)
     result = bench.run_bench(target, tiny.drafter(0, block_size=4), [[1, 2, 3]], 12, verify_lengths=[1],

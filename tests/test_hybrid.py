@@ -40,7 +40,7 @@ def _is_linear(layer) -> bool:
 def state_checks(monkeypatch, target):
     """Before each draft, compare the live cache with a fresh forward over the committed tokens."""
     checks = []
-    original = DFlashCandidateGenerator.get_candidates
+    original = DFlashCandidateGenerator.propose
 
     def checked(self, input_ids, model_kwargs, model_outputs=None, is_first_iteration=False, n_last_matches=0):
         cache = model_kwargs["cache"]
@@ -63,7 +63,7 @@ def state_checks(monkeypatch, target):
             checks.append(input_ids.shape[1])
         return original(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches)
 
-    monkeypatch.setattr(DFlashCandidateGenerator, "get_candidates", checked)
+    monkeypatch.setattr(DFlashCandidateGenerator, "propose", checked)
     return checks
 
 

@@ -62,19 +62,20 @@ def test_a_copy_is_verified_whole(looping, monkeypatch):
     from dflash_hf.generation.candidate_generator import DFlashCandidateGenerator
 
     found_and_verified = []
-    copy = DFlashCandidateGenerator._copy
+    propose = DFlashCandidateGenerator.propose
 
-    def spy(self, input_ids, drafted, room):
-        found = self.lookup.get_candidates(input_ids)[0].shape[1] - input_ids.shape[1]
+    def spy(self, input_ids, model_kwargs, model_outputs=None, is_first_iteration=False, n_last_matches=0):
+        room = self.main_model_max_length - input_ids.shape[1] - 1
+        found = len(self.lookup.find(self.main_model_max_length)[1])
         # as if copies here were often right for two tokens and then wrong: a "best length" would be 2
         for _ in range(10):
             self.copy_policy.stats.observe(6, 2)
-        result = copy(self, input_ids, drafted, room)
-        if result is not None:
-            found_and_verified.append((min(found, room), result[0].shape[1] - input_ids.shape[1]))
+        result = propose(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches)
+        if result.copied:
+            found_and_verified.append((min(found, room), result.ids.shape[1] - input_ids.shape[1]))
         return result
 
-    monkeypatch.setattr(DFlashCandidateGenerator, "_copy", spy)
+    monkeypatch.setattr(DFlashCandidateGenerator, "propose", spy)
     useless = tiny.drafter(0, block_size=4)
     out = dflash_hf.generate(target, prompt, max_new_tokens=40, do_sample=False, assistant_model=useless,
                              prompt_lookup_num_tokens=6)
@@ -91,16 +92,16 @@ def test_copies_passed_over_are_still_scored_so_copying_resumes(looping, monkeyp
     target, prompt, _ = looping
     from dflash_hf.generation.candidate_generator import DFlashCandidateGenerator
 
-    copy = DFlashCandidateGenerator._copy
+    propose = DFlashCandidateGenerator.propose
 
-    def pessimistic(self, input_ids, drafted, room):
+    def pessimistic(self, *args, **kwargs):
         if not getattr(self, "seeded", False):
             self.seeded = True
             for _ in range(40):
                 self.copy_policy.stats.observe(6, 0)
-        return copy(self, input_ids, drafted, room)
+        return propose(self, *args, **kwargs)
 
-    monkeypatch.setattr(DFlashCandidateGenerator, "_copy", pessimistic)
+    monkeypatch.setattr(DFlashCandidateGenerator, "propose", pessimistic)
     useless = tiny.drafter(0, block_size=4)
     script = target.generate(prompt, max_new_tokens=60, do_sample=False)
     out = dflash_hf.generate(target, prompt, max_new_tokens=60, do_sample=False, assistant_model=useless,
@@ -173,3 +174,28 @@ def test_a_copy_passed_over_is_verified_when_the_first_draft_agrees_with_it(loop
     dflash_hf.generate(target, prompt, max_new_tokens=40, do_sample=False, assistant_model=oracle, dflash_lookup=None)
     assert stats.num_target_forwards < oracle.last_stats.num_target_forwards  # than its blocks of 3 drafts alone
 
+
+
+@pytest.mark.parametrize("max_length", (30, 1 << 20))
+def test_the_host_lookup_proposes_what_transformers_prompt_lookup_does(max_length):
+    # the loop keeps the ids on the host and searches them there (no host sync per n-gram size and match on an
+    # accelerator); grown token by token, it must propose transformers' continuation at every length
+    from transformers.generation.candidate_generator import PromptLookupCandidateGenerator
+
+    from dflash_hf.generation.lookup import ContextLookup
+
+    reference = PromptLookupCandidateGenerator(eos_token_id=None, num_output_tokens=6, max_matching_ngram_size=2,
+                                               max_length=max_length)
+    found = 0
+    for seed in range(4):
+        ids = torch.randint(0, 5, (1, 29), generator=torch.Generator().manual_seed(seed))
+        lookup = ContextLookup(6)
+        lookup.extend(ids[0, :1].tolist())
+        for end in range(2, ids.shape[1] + 1):
+            lookup.extend([int(ids[0, end - 1])])
+            start, copy = lookup.find(max_length)
+            expected = reference.get_candidates(ids[:, :end])[0][0, end:].tolist()
+            assert copy == expected, (seed, end)
+            assert copy == ids[0, start : start + len(copy)].tolist()  # where the generator slices it on the device
+            found += bool(copy)
+    assert found > 40

@@ -1,6 +1,6 @@
+from .api import dflash_decode, dflash_settings, enable, generate, is_enabled
 from .candidate_generator import DFlashCandidateGenerator
-from .decoding import dflash_decode, enable, generate, is_enabled
 from .stats import DFlashGenerateOutput, DFlashStats
 
-__all__ = ["DFlashCandidateGenerator", "DFlashGenerateOutput", "DFlashStats", "dflash_decode", "enable", "generate",
-           "is_enabled"]
+__all__ = ["DFlashCandidateGenerator", "DFlashGenerateOutput", "DFlashStats", "dflash_decode", "dflash_settings",
+           "enable", "generate", "is_enabled"]

@@ -15,18 +15,22 @@ the target's embeddings, the target's lm_head for the drafts. This subclass adds
 - the draft logits computed only for the slots that are verified, on the lm_head's device, and only
   over the drafter's `draft_vocab` (the tokens of its training labels) when its config has one;
 - copies from the context (`lookup`): where the last tokens recur in the prompt or output so far, the
-  continuation found there (transformers' `PromptLookupCandidateGenerator` finds it) can be verified
-  instead of the DFlash block, whichever the policy expects to commit more tokens per second.
+  continuation found there (transformers' prompt lookup, run on the host copy of the ids: `lookup.py`) can
+  be verified instead of the DFlash block, whichever the policy expects to commit more tokens per second;
+- no host sync of its own: the step's decisions come from host statistics and that host copy
+  (`policy.StepPlanner`), which the loop keeps up to date from the one read it makes per step.
 """
 
 import functools
+from typing import NamedTuple
 
 import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
-from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator, PromptLookupCandidateGenerator
+from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
 from ..targets import logit_softcap
-from .policy import AdaptiveVerifyLength, CopyPolicy
+from .lookup import ContextLookup
+from .policy import AdaptiveVerifyLength, CopyPolicy, Plan, StepPlanner
 
 # How drafts are proposed under `do_sample=True` (all three are exact):
 # - "sample": a draw from the drafter's q; rejection sampling accepts it with prob min(1, p(d) / q(d)).
@@ -49,6 +53,33 @@ def resolve_lookup(lookup, verify_length):
     return lookup
 
 
+def host_reads_are_free(device: torch.device) -> bool:
+    """Whether the host reads a tensor on `device` without waiting for it: on the CPU, where it already is. Elsewhere
+    a read stops the host until the device has caught up (the step's one read is the committed tokens)."""
+    return device.type == "cpu"
+
+
+class Proposal(NamedTuple):
+    """What the loop verifies in a step: `ids`, the sequence followed by the proposed tokens (`ids` unchanged for
+    the prefill and plain steps); `scores`, the `(1, k, vocab)` scores q they were drawn from (None: greedy
+    decoding needs none, or the "match" rule); `plan`, what they are (a copied run or `plan.num_drafts` drafts;
+    None for the prefill, which proposes nothing and teaches the policy nothing);
+    `model_kwargs_overrides`, what the target's forward must also return (the hidden states the drafter reads)."""
+
+    ids: torch.LongTensor
+    scores: torch.Tensor | None
+    plan: Plan | None
+    model_kwargs_overrides: dict
+
+    @property
+    def num_proposed(self) -> int:
+        return 0 if self.plan is None else len(self.plan.copy) if self.plan.copy is not None else self.plan.num_drafts
+
+    @property
+    def copied(self) -> bool:
+        return self.plan is not None and self.plan.copy is not None
+
+
 def check_settings(proposal: str, verify_length, lookup=None) -> None:
     """The DFlash options (`enable`, per call, `GenerationConfig`), checked where they come in."""
     if lookup is not None and lookup != ADAPTIVE and (isinstance(lookup, bool) or not isinstance(lookup, int) or lookup < 1):
@@ -67,9 +98,11 @@ def check_settings(proposal: str, verify_length, lookup=None) -> None:
 class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
     """Drafts up to `block_size - 1` tokens per step from the target's hidden states.
 
-    `get_candidates` has upstream's signature and contract: it is called before each target forward
-    with that forward's predecessor's outputs and `n_last_matches` (drafts it accepted), and returns
-    `(input_ids + drafts, (1, k, vocab) scores)`, or no candidates for the prefill and plain steps.
+    `propose` is called before each target forward with that forward's predecessor's outputs and
+    `n_last_matches` (drafts it accepted) and returns a `Proposal`; `observe` takes the step's committed
+    tokens (host ids) after it, and `start` the prompt's before the prefill. `get_candidates` and
+    `update_candidate_strategy` keep upstream's signatures and contract on top of them (`(input_ids + drafts,
+    (1, k, vocab) scores)`, or no candidates for the prefill and plain steps).
 
     Args:
         target (`PreTrainedModel`): the model being decoded; its embeddings and lm_head are used.
@@ -115,21 +148,23 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         # Context features of committed tokens the drafter has not ingested (plain steps skip it).
         self.pending_context: list[torch.Tensor] = []
         self.block_in_cache = False  # the last drafter forward left its block's keys/values in the cache
-        self.padded: bool | None = None  # whether the prompt has padding; decided at the first draft
-        self.num_drafts = 0  # drafts handed to the target at the current step
-        self.copied = False  # whether they were copied from the context rather than drafted
-        self.lookup = None
+        self.padded: bool | None = None  # whether the prompt has padding (`start`)
+        self.committed: list[int] | None = None  # the host copy of the sequence's ids (`start`, `observe`)
+        self.noise_mask: torch.Tensor | None = None  # the block's mask tokens, made once on the ids' device
+        self.last_proposal: Proposal | None = None
         self.max_copy = lookup or 0  # the longest copied run a step verifies
-        if lookup is not None:
-            self.lookup = PromptLookupCandidateGenerator(
-                eos_token_id=None, num_output_tokens=lookup, max_matching_ngram_size=2,
-                max_length=self.main_model_max_length,
-                # under sampling, skip copies of tokens the processors forbid (as prompt lookup does)
-                logits_processor=self.logits_processor if self.do_sample and len(self.logits_processor) else None,
-                vocab_size=self.main_model_output_embeddings.weight.shape[0],
-            )
+        # under sampling, transformers' prompt lookup also skips copies of tokens the processors forbid, reading
+        # each copied token's processed score on the host; left to verification here (such a token has p = 0 and
+        # is rejected, exactly), so that finding a copy reads nothing from the device
+        self.lookup = ContextLookup(lookup) if lookup is not None else None
+        self.copy_start = 0  # where this step's copy starts in the sequence
         # Copied runs accept very differently from drafts: their own statistics, and no drafter in their cost.
-        self.copy_policy = CopyPolicy(lookup, self.policy) if lookup is not None and verify_length == ADAPTIVE else None
+        copies = CopyPolicy(lookup, self.policy) if lookup is not None and verify_length == ADAPTIVE else None
+        self.planner = StepPlanner(self.max_drafts, self.policy, copies)
+
+    @property
+    def copy_policy(self) -> CopyPolicy | None:
+        return self.planner.copies
 
     @property
     def longest_verify(self) -> int:
@@ -137,6 +172,14 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         or copied. The target's cache records the states of linear-attention layers for this many positions,
         the ones a rejection can roll back to."""
         return 1 + max(self.max_drafts, self.max_copy)
+
+    def start(self, prompt: list[int], padded: bool) -> None:
+        """Called once before the prefill with the prompt's ids and whether its attention mask pads it, read on the
+        host with the call's other setup reads (the loop reads each step's tokens after that, `observe`)."""
+        self.padded = padded
+        if self.lookup is not None:
+            self.lookup.extend(prompt)
+        self.committed = list(prompt)
 
     def get_candidates(
         self,
@@ -147,10 +190,21 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         n_last_matches: int = 0,
         **kwargs,
     ) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        """`(1, n + k)` ids and `(1, k, vocab)` scores q of the drafts (None: no drafts, or "match")."""
-        self.num_drafts, self.copied = 0, False
+        """Upstream's contract: `(1, n + k)` ids and `(1, k, vocab)` scores q of the drafts (None: no drafts, or
+        "match"). Without `start`, the prompt is read from `input_ids` here."""
+        if self.committed is None:
+            mask = model_kwargs.get("attention_mask")
+            self.start(input_ids[0].tolist(), mask is not None and not bool(mask.all()))
+        self.last_proposal = self.propose(input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches)
+        return self.last_proposal.ids, self.last_proposal.scores
+
+    def propose(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs=None,
+                is_first_iteration: bool = False, n_last_matches: int = 0) -> Proposal:
+        """This step's proposal (see `Proposal`); the arguments are `get_candidates'`. Reads nothing from the device:
+        every decision comes from host statistics and the host copy of the committed ids (`start`, `observe`),
+        except where `host_reads_are_free` (the CPU)."""
         if is_first_iteration:  # the prefill forward comes first: its hidden states are the first context
-            return input_ids, None
+            return Proposal(input_ids, None, None, self.model_kwargs_overrides)
         hidden_states = model_outputs.hidden_states
         # The prefill forward covered the whole prompt (maybe given as embeddings); a later one covered
         # [anchor, drafts], of which the anchor and the accepted drafts are now committed context.
@@ -159,33 +213,49 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         self.pending_context.append(
             torch.cat([hidden_states[i + 1][:, :num_new].to(self.device) for i in self.target_layer_ids], dim=-1)
         )
-        room = self.main_model_max_length - input_ids.shape[1] - 1
-        limit = min(self.max_drafts, room)
-        if self.policy is not None and limit > 0:
-            limit = self.policy.choose(limit)
+        length = input_ids.shape[1]
+        room = self.main_model_max_length - length - 1
+        copy = None
         if self.lookup is not None and room > 0:
-            copy = self._copy(input_ids, limit, room)
-            if copy is not None:
-                return copy
-        if limit <= 0:  # a plain step: the target decodes one token, the drafter waits
-            return input_ids, None
-        hidden = self._draft_block(input_ids, model_kwargs)[:, 1 : 1 + limit]
+            self.copy_start, copy = self.lookup.find(self.main_model_max_length)
+            copy = copy[:room]
+        plan = self.planner.before_draft(length, room, copy)
+        if plan.num_drafts == 0:  # a copy, or a plain step: the target decodes one token, the drafter waits
+            return self._proposal(input_ids, plan)
+        hidden = self._draft_block(input_ids, model_kwargs)[:, 1 : 1 + plan.num_drafts]
         # The drafter's distributions q of every slot, from one forward: all that decides what is verified below
         # is fixed before any draft is drawn from them, which keeps rejection sampling exact.
         logits = self._draft_logits(hidden).to(input_ids.device)
-        agreed = self._agreeing_copy(input_ids, logits)
-        if agreed is not None:
-            return agreed
-        # The drafter's confidence says how far its drafts will be accepted: verify only the part that pays. Read
-        # on the CPU only: on an accelerator it is a host sync between the drafter's forward and the target's,
-        # and a verified draft costs almost nothing there anyway.
-        if self.policy is not None and limit > 1 and logits.device.type == "cpu":
-            # the probability of each slot's most likely token, before any processor (under greedy decoding
-            # without processors, that of the draft itself)
-            limit = self.policy.cut(logits.softmax(dim=-1).amax(dim=-1)[0].tolist())
-        self.num_drafts = limit
-        drafts, scores = self._propose(input_ids, logits[:, :limit])
-        return torch.cat([input_ids, drafts], dim=-1), scores
+        first_draft = confidences = None
+        # On an accelerator these reads would stop the host between the drafter's forward and the target's (and a
+        # verified draft costs almost nothing there anyway): the CPU only.
+        if host_reads_are_free(logits.device):
+            if self.planner.pending is not None:
+                first = logits[:, 0] if len(self.logits_processor) == 0 else self.logits_processor(input_ids, logits[:, 0].clone())
+                first_draft = int(first.argmax(dim=-1)[0])  # the greedy draft, after the processors
+            if self.policy is not None and plan.num_drafts > 1:
+                # the probability of each slot's most likely token, before any processor (under greedy decoding
+                # without processors, that of the draft itself)
+                confidences = logits.softmax(dim=-1).amax(dim=-1)[0].tolist()
+        plan = self.planner.after_draft(plan, first_draft, confidences)
+        if plan.copy is not None:
+            return self._proposal(input_ids, plan)
+        drafts, scores = self._propose(input_ids, logits[:, : plan.num_drafts])
+        return Proposal(torch.cat([input_ids, drafts], dim=-1), scores, plan, self.model_kwargs_overrides)
+
+    def _proposal(self, input_ids: torch.LongTensor, plan: Plan) -> Proposal:
+        """The proposal of a plain step, or of a copied run: the copy is sliced from the sequence on its device
+        (where the host found it), so that no host data is uploaded; under sampling it is a deterministic
+        proposal, q one-hot at the copy."""
+        if plan.copy is None:
+            return Proposal(input_ids, None, plan, self.model_kwargs_overrides)
+        found = input_ids[:, self.copy_start : self.copy_start + len(plan.copy)]
+        scores = None
+        if self.do_sample and self.proposal != "match":
+            vocab = self.main_model_output_embeddings.weight.shape[0]
+            scores = torch.full((1, found.shape[1], vocab), float("-inf"), device=found.device)
+            scores.scatter_(-1, found[..., None], 0.0)
+        return Proposal(torch.cat([input_ids, found], dim=-1), scores, plan, self.model_kwargs_overrides)
 
     def _draft_head(self, vocab: list[int] | None):
         """`(ids, rows)`: the drafter's `draft_vocab` and a function computing the lm_head's rows of it (copied once per
@@ -216,50 +286,6 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         vocab_size = self.main_model_output_embeddings.out_features
         return logits.new_full((*logits.shape[:-1], vocab_size), float("-inf")).index_copy_(-1, self.draft_vocab, logits)
 
-    def _agreeing_copy(self, input_ids: torch.LongTensor, logits: torch.Tensor):
-        """The copy passed over at this step, verified after all when the drafter's most likely first token (after
-        the logits processors: the greedy draft) is its first token: where two independent proposals agree the
-        copy is right far more often than the copy statistics say (they average over all copies), and it is
-        longer than the drafts. Replayed on the same text (benchmarks/policy_replay.py, 16 prompts per set, bf16
-        costs) it took completion from 1.68x to 1.75x and editing from 2.26x to 2.36x, prose unchanged. Under
-        sampling that argmax is fixed before any draft is drawn, so verifying the copy (q one-hot) or the drafts
-        stays exact; a rule that looked at a drawn draft would not be."""
-        if self.copy_policy is None or not self.copy_policy.passed_over:
-            return None
-        position, copy = self.copy_policy.passed_over[-1]
-        if position != input_ids.shape[1]:
-            return None
-        first = logits[:, 0] if len(self.logits_processor) == 0 else self.logits_processor(input_ids, logits[:, 0].clone())
-        if copy[0] != int(first.argmax(dim=-1)[0]):
-            return None
-        self.copy_policy.passed_over.pop()  # verified now: not scored as passed over
-        return self._copied(input_ids, torch.tensor([copy], dtype=input_ids.dtype, device=input_ids.device))
-
-    def _copy(self, input_ids: torch.LongTensor, drafted: int, room: int):
-        """`(ids + copied run, scores)` when the context offers a continuation worth verifying, else None."""
-        found = self.lookup.get_candidates(input_ids)[0][:, input_ids.shape[1] : input_ids.shape[1] + room]
-        available = found.shape[1]
-        if available == 0:
-            return None
-        # A copied run is verified whole, as prompt lookup does: a copy is mostly accepted entirely or
-        # not at all, and each extra verified token costs little, so the policy only decides whether
-        # the copy beats the DFlash block (or a plain step). Cutting copies to the length with the best
-        # estimated rate cost 4-8 more forwards per 128 tokens on edits (fp32, same output).
-        if self.copy_policy is not None and not self.copy_policy.pays(available, drafted):
-            self.copy_policy.pass_over(input_ids.shape[1], found[0].tolist())
-            return None
-        return self._copied(input_ids, found)
-
-    def _copied(self, input_ids: torch.LongTensor, found: torch.LongTensor):
-        """`(ids + copied run, scores)`: the copy is this step's proposal."""
-        self.num_drafts, self.copied = found.shape[1], True
-        scores = None
-        if self.do_sample and self.proposal != "match":  # a deterministic proposal: q one-hot at the copy
-            vocab = self.main_model_output_embeddings.weight.shape[0]
-            scores = torch.full((1, found.shape[1], vocab), float("-inf"), device=found.device)
-            scores.scatter_(-1, found[..., None], 0.0)
-        return torch.cat([input_ids, found], dim=-1), scores
-
     def _draft_block(self, input_ids: torch.LongTensor, model_kwargs: dict) -> torch.Tensor:
         """One drafter forward over [pending context ; anchor, mask x (B - 1)]: the `(1, B, hidden)` block output."""
         if self.block_in_cache:  # keep committed context only: the block's keys/values change every step
@@ -277,14 +303,15 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             [positions[..., -1 - num_context : -1], anchor + torch.arange(self.block_size, device=anchor.device)], dim=-1
         )
         attention_mask = model_kwargs.get("attention_mask")
-        if self.padded is None:
-            self.padded = attention_mask is not None and not bool(attention_mask.all())
         if self.padded:
             block = attention_mask.new_ones(attention_mask.shape[0], self.block_size)
             attention_mask = torch.cat([attention_mask[:, :-1], block], dim=-1).to(self.device)
         else:
             attention_mask = None
-        noise_ids = torch.cat([input_ids[:, -1:], self.noise_ids_mask.to(input_ids.device)], dim=-1)
+        if self.noise_mask is None:  # made where the ids are: a copy of a CPU tensor there would wait for the device
+            self.noise_mask = torch.full((1, self.block_size - 1), self.mask_token_id, device=input_ids.device,
+                                         dtype=input_ids.dtype)
+        noise_ids = torch.cat([input_ids[:, -1:], self.noise_mask], dim=-1)
         noise_embeds = self._get_noise_embeds(noise_ids.to(self.main_model_input_embeddings.weight.device))
         self.cache.set_previous_accepted_tokens(num_context)
         output = self.assistant_model(
@@ -326,17 +353,20 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             scores = None  # verified by the reference rule: keep drafts equal to a sample of the target
         return drafts, scores
 
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores, num_matches: int, seconds: float = 0.0):
-        """After each target forward but the prefill: `num_matches` drafts were committed, the step
-        (drafting and verifying) took `seconds`."""
-        if self.copied:
-            if self.copy_policy is not None:  # (and with it the draft policy, if any: both need "adaptive")
-                self.copy_policy.observe(self.num_drafts, int(num_matches), seconds)
-        elif self.policy is not None:
-            self.policy.observe(self.num_drafts, int(num_matches), seconds)
-        if self.copy_policy is not None and self.copy_policy.passed_over:
-            first = self.copy_policy.passed_over[0][0]
-            self.copy_policy.score_passed_over(input_ids[0, first:].tolist())  # one host sync for all of them
+    def observe(self, proposal: Proposal, tokens: list[int], seconds: float = 0.0) -> None:
+        """After each target forward: the step verified `proposal`, committed `tokens` (host ids: its accepted
+        proposed tokens and the target's own), and took `seconds` (drafting and verifying)."""
+        self.committed += tokens
+        if self.lookup is not None:
+            self.lookup.extend(tokens)
+        if proposal.plan is not None:
+            self.planner.observe(proposal.plan, len(tokens) - 1, seconds, self.committed)
+
+    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores, num_matches: int):
+        """Upstream's contract, after a step that `get_candidates` proposed: `input_ids` ends with the `num_matches`
+        accepted tokens and the target's own (read on the host here; the loop hands them to `observe`)."""
+        self.observe(self.last_proposal, input_ids[0, -int(num_matches) - 1 :].tolist())
 
 
-__all__ = ["ADAPTIVE", "DEFAULT_LOOKUP", "DFlashCandidateGenerator", "PROPOSALS", "check_settings", "resolve_lookup"]
+__all__ = ["ADAPTIVE", "DEFAULT_LOOKUP", "DFlashCandidateGenerator", "PROPOSALS", "Proposal", "check_settings",
+           "host_reads_are_free", "resolve_lookup"]

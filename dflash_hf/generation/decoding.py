@@ -1,74 +1,35 @@
-"""How DFlash plugs into `generate()`, and the decoding loop it runs there.
+"""The DFlash decoding loop: propose, verify in one target forward, commit; one host read per step.
 
-transformers' `generate(custom_generate=callable)` prepares everything (generation config, logits
-processors, stopping criteria, the target's cache, attention mask, position ids) and hands the decoding
-loop to the callable: `dflash_decode` is that loop. It is ours rather than transformers' assisted loop
-because that loop cannot take another candidate generator than its own, stops only at block ends,
-and returns no statistics; ours is one screen long and reuses transformers' pieces (its DFlash
-candidate generator, `prepare_inputs_for_generation`, caches that crop and roll back linear-attention
-states).
+It is ours rather than transformers' assisted loop because that loop cannot take another candidate
+generator than its own, stops only at block ends, and returns no statistics; it reuses transformers'
+pieces (`prepare_inputs_for_generation`, caches that crop and roll back linear-attention states).
+`api.dflash_decode`, the `custom_generate` callable, checks the call and builds the candidate generator
+before handing both to `decode`.
 
-`generate(model, ...)` is `model.generate` with DFlash: given a DFlash drafter as `assistant_model` it
-calls transformers' `generate` with `custom_generate=dflash_decode`, otherwise plain `generate`.
-`enable(model)` binds it onto one instance, the way transformers binds a `custom_generate` repo's
-`generate` (`model.generate = partial(generate, model=model)`), but through a weak reference, so
-that dropping the last reference to the model frees it.
+On an accelerator the host waits whenever it reads a value the device computed. Each step reads one
+small tensor, the accepted length with the proposed tokens and the target's own; the end of the call
+(EOS, `max_length`), the candidate generator's next decisions and its host copy of the sequence all
+come from it (tests/test_host_syncs.py counts).
 """
 
-import copy
-import functools
-import inspect
 import time
-import warnings
-import weakref
 
 import torch
-from transformers import GenerationMixin, PreTrainedModel, StoppingCriteriaList
-from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria, StopStringCriteria
+from transformers import PreTrainedModel, StoppingCriteriaList
+from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from ..targets import check_compatible, is_dflash_drafter
-from .candidate_generator import ADAPTIVE, DFlashCandidateGenerator, check_settings
+from .candidate_generator import DFlashCandidateGenerator
 from .stats import DFlashGenerateOutput, DFlashStats
 from .verify import verify
 
-_SETTINGS = "_dflash_settings"  # where enable() keeps its options, in the instance's __dict__
-DEFAULTS = {"proposal": "sample", "verify_length": ADAPTIVE, "lookup": ADAPTIVE}
-_UNSET = object()
-# Prompt tokens searched for a chat template's think markers: Qwen3's enable_thinking=False generation prompt
-# ends with `<think>\n\n</think>\n\n` (4 tokens), room is left for a prefilled start of the answer.
-CHAT_MODE_WINDOW = 16
-
 
 @torch.no_grad()
-def dflash_decode(
-    model: PreTrainedModel,
-    input_ids: torch.LongTensor,
-    logits_processor,
-    stopping_criteria: StoppingCriteriaList,
-    generation_config,
-    synced_gpus: bool = False,
-    streamer=None,
-    drafter=None,
-    dflash_verify_length=_UNSET,
-    dflash_proposal=_UNSET,
-    dflash_lookup=_UNSET,
-    dflash_settings: dict | None = None,
-    **model_kwargs,
-):
-    """DFlash speculative decoding, as a `custom_generate` callable of transformers' `generate`.
-
-    `target.generate(ids, custom_generate=dflash_decode, drafter=drafter)` runs it directly (transformers
-    then neither passes a streamer nor builds stop-string criteria: `dflash_hf.generate` or `enable` do).
-    Per call, `dflash_verify_length=`, `dflash_proposal=` and `dflash_lookup=` (or the same fields of a
-    `GenerationConfig`; `prompt_lookup_num_tokens=n` is `dflash_lookup=n`) override `dflash_settings`
-    (what `enable` stored), see `DFlashCandidateGenerator`.
-    """
-    generator = _start(model, drafter, input_ids, generation_config, logits_processor, model_kwargs,
-                       {"verify_length": dflash_verify_length, "proposal": dflash_proposal, "lookup": dflash_lookup},
-                       dflash_settings)
-    stats, cache = DFlashStats(), model_kwargs["cache"]
-    drafter.last_stats = stats
-    eos = next((c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)), None)
+def decode(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_ids: torch.LongTensor, logits_processor,
+           stopping_criteria: StoppingCriteriaList, generation_config, model_kwargs: dict, eos: frozenset[int] = frozenset(),
+           streamer=None, stats: DFlashStats | None = None):
+    """Decodes until EOS (one of the `eos` ids), `max_length` or a stopping criterion; `generator` has been `start`ed
+    with the prompt. Returns the sequences, or a `DFlashGenerateOutput` under `return_dict_in_generate`."""
+    stats, cache = stats if stats is not None else DFlashStats(), model_kwargs["cache"]
     # Stop strings and custom criteria are checked after every committed token, like plain generate.
     per_token = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
     keep = generation_config.return_dict_in_generate
@@ -79,41 +40,44 @@ def dflash_decode(
     outputs, accepted, first = None, 0, True
     while True:
         start = time.perf_counter()
-        # 1. Drafts (none for the prefill and for plain steps), from the last forward's hidden states.
-        candidate_ids, draft_scores = generator.get_candidates(input_ids, model_kwargs, outputs, first, accepted)
-        num_drafts, length = candidate_ids.shape[1] - input_ids.shape[1], input_ids.shape[1]
+        # 1. Drafts or a copy (nothing for the prefill and for plain steps), from the last forward's hidden states.
+        proposal = generator.propose(input_ids, model_kwargs, outputs, first, accepted)
+        length = input_ids.shape[1]
+        num_drafts = proposal.ids.shape[1] - length
         drafted = time.perf_counter()
         # 2. One target forward over [last token, drafts] (the whole prompt at the prefill).
         inputs = model.prepare_inputs_for_generation(
-            candidate_ids, next_sequence_length=None if first else num_drafts + 1, is_first_iteration=first,
+            proposal.ids, next_sequence_length=None if first else num_drafts + 1, is_first_iteration=first,
             **_extend(model_kwargs, num_drafts),
         )
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = num_drafts + 1
-        outputs = model(**(inputs | generator.model_kwargs_overrides))
+        outputs = model(**(inputs | proposal.model_kwargs_overrides))
         if first and not outputs.cache.is_croppable:
             raise ValueError(f"DFlash needs a target cache that can be cropped after rejected drafts; "
                              f"{type(cache).__name__} of {type(model).__name__} cannot. Use the default cache.")
         logits = outputs.logits[:, -num_drafts - 1 :].to(input_ids.device, torch.float32)
         processed = logits.clone()
         for i in range(num_drafts + 1):
-            processed[:, i] = logits_processor(candidate_ids[:, : length + i], processed[:, i])
-        # 3. Accepted prefix + one token of the target's, cut at EOS and max_length; one host sync.
-        drafts = candidate_ids[:, length:]
-        num_accepted, next_token = verify(drafts, draft_scores, processed, generation_config.do_sample)
-        proposed = torch.cat([drafts, next_token[:, None]], dim=-1)
-        proposed[:, num_accepted] = next_token  # device-side: position `num_accepted` holds the target's token
-        committed, eos_hit = _commit_length(proposed, num_accepted, eos).tolist()
-        committed = min(committed, generation_config.max_length - length)
-        new_tokens, stopped = _cut_at_criteria(proposed[:, :committed], input_ids, processed, per_token)
-        committed = new_tokens.shape[1]
-        done = bool(eos_hit) or stopped or length + committed >= generation_config.max_length
+            processed[:, i] = logits_processor(proposal.ids[:, : length + i], processed[:, i])
+        # 3. Accepted prefix + one token of the target's: the step's one host read, cut at EOS and max_length.
+        drafts = proposal.ids[:, length:]
+        num_accepted, next_token = verify(drafts, proposal.scores, processed, generation_config.do_sample)
+        read = torch.cat([num_accepted, next_token, drafts[0]]).tolist()
+        tokens = read[2 : 2 + read[0]] + [read[1]]
+        ends = next((i + 1 for i, token in enumerate(tokens) if token in eos), None)
+        tokens = tokens[: min(ends or len(tokens), generation_config.max_length - length)]
+        new_tokens = torch.cat([drafts[:, : read[0]], next_token[:, None]], dim=-1)[:, : len(tokens)]
+        new_tokens, stopped = _cut_at_criteria(new_tokens, input_ids, processed, per_token)
+        tokens = tokens[: new_tokens.shape[1]]
+        committed = len(tokens)
+        done = ends is not None or stopped or length + committed >= generation_config.max_length
         # 4. Commit: the cache keeps exactly the committed tokens but the last (recurrent states too).
         input_ids = torch.cat([input_ids, new_tokens], dim=-1)
         cache.crop(-(num_drafts + 1 - committed))
         model_kwargs = _extend(model_kwargs, committed)
         if streamer is not None:
-            streamer.put(new_tokens.cpu())
+            streamer.put(torch.tensor([tokens]))  # from the host copy: no second read
         if scores is not None:
             scores += tuple(processed[:, i] for i in range(committed))
         if raw_logits is not None:
@@ -123,9 +87,9 @@ def dflash_decode(
         now = time.perf_counter()
         stats.draft_seconds += drafted - start
         stats.verify_seconds += now - drafted
-        if not first:
-            stats.record(num_drafts, committed - 1, generator.copied)
-            generator.update_candidate_strategy(input_ids, processed, committed - 1, now - start)
+        if proposal.plan is not None:  # (None: the prefill, which proposed nothing)
+            stats.record(proposal.num_proposed, committed - 1, proposal.copied)
+        generator.observe(proposal, tokens, now - start)
         accepted, first = committed - 1, False
         if done:
             break
@@ -135,73 +99,6 @@ def dflash_decode(
         return input_ids
     return DFlashGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, hidden_states=hidden_states,
                                 cache=cache, dflash_stats=stats)
-
-
-def _start(model, drafter, input_ids, generation_config, logits_processor, model_kwargs, call, stored):
-    """Checks the call before any forward and builds its candidate generator."""
-    if drafter is None:
-        raise TypeError("dflash_decode needs the drafter: generate(..., custom_generate=dflash_decode, drafter=drafter).")
-    settings = {**DEFAULTS, **(stored or {})}
-    for name, value in call.items():  # the call's own option, else the GenerationConfig's, else enable()'s
-        if value is _UNSET:
-            value = getattr(generation_config, f"dflash_{name}", _UNSET)
-        if value is not _UNSET:
-            settings[name] = value
-    if generation_config.prompt_lookup_num_tokens is not None:  # with a DFlash drafter: copy where it can
-        settings["lookup"] = generation_config.prompt_lookup_num_tokens
-    check_settings(settings["proposal"], settings["verify_length"], settings["lookup"])
-    check_compatible(model, drafter)
-    unsupported = {
-        "num_beams": "beam search", "num_return_sequences": "several sequences per prompt",
-    }
-    for name, what in unsupported.items():
-        if (getattr(generation_config, name, None) or 1) > 1:
-            raise ValueError(f"DFlash does not do {what} ({name}={getattr(generation_config, name)}); drop {name} or "
-                             "the DFlash drafter.")
-    if generation_config.output_attentions:
-        raise ValueError("DFlash does not return attentions; drop output_attentions.")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"DFlash decodes one sequence at a time, got a batch of {input_ids.shape[0]}; call generate "
-                         "once per prompt.")
-    if input_ids.shape[1] == 0 and model_kwargs.get("inputs_embeds") is None:
-        raise ValueError("DFlash needs a prompt of at least one token (the drafter drafts from the target's context).")
-    if model_kwargs.get("cache") is None:
-        raise ValueError("DFlash needs the target's cache; drop use_cache=False.")
-    if (mismatch := chat_mode_mismatch(drafter, input_ids)) is not None:
-        warnings.warn(mismatch, UserWarning, stacklevel=2)
-    generator = DFlashCandidateGenerator(model, drafter, generation_config, logits_processor, **settings)
-    # Linear-attention and sliding-window layers keep the states of the last tokens, to roll back to: as many as
-    # the longest verify forward covers (a copied run can be longer than the block).
-    model_kwargs["cache"].activate_past_recording(recurrent_states_to_keep=generator.longest_verify)
-    return generator
-
-
-def chat_mode_mismatch(drafter, input_ids: torch.LongTensor) -> str | None:
-    """The warning for a prompt rendered in another chat mode than the drafter's training prompts, else None.
-
-    Needs the drafter config's `dflash_config.chat_template_kwargs.enable_thinking` and `think_token_ids`
-    (`DFlashConfig.set_chat_mode`); without them nothing is checked. A prompt counts as rendered without
-    thinking when the last think marker among its last `CHAT_MODE_WINDOW` tokens is `</think>` (the empty
-    block `enable_thinking=False` templates put before the answer), else as rendered with thinking. Mismatched
-    modes cost acceptance, never correctness.
-    """
-    dflash_config = getattr(getattr(drafter, "config", None), "dflash_config", None)
-    if not isinstance(dflash_config, dict) or input_ids.shape[-1] == 0:
-        return None
-    thinking = (dflash_config.get("chat_template_kwargs") or {}).get("enable_thinking")
-    think_ids = dflash_config.get("think_token_ids")
-    if not isinstance(thinking, bool) or not think_ids:
-        return None
-    open_id, close_id = think_ids
-    tail = input_ids[0, -CHAT_MODE_WINDOW:].tolist()  # one small copy per call
-    last_marker = next((token for token in reversed(tail) if token in (open_id, close_id)), None)
-    if (last_marker != close_id) == thinking:
-        return None
-    seen = ("ends with a closed <think></think> block, as enable_thinking=False renders it" if thinking else
-            "does not end with the empty <think></think> block that enable_thinking=False puts before the answer")
-    return (f"This DFlash drafter was trained on prompts rendered with enable_thinking={thinking}, and this prompt "
-            f"{seen}: fewer drafts will be accepted (the output is unchanged). Render prompts with "
-            f"tokenizer.apply_chat_template(..., enable_thinking={thinking}).")
 
 
 def _extend(model_kwargs: dict, num_tokens: int) -> dict:
@@ -221,19 +118,9 @@ def _extend(model_kwargs: dict, num_tokens: int) -> dict:
     return extended
 
 
-def _commit_length(proposed: torch.LongTensor, num_accepted: torch.LongTensor, eos) -> torch.LongTensor:
-    """`[tokens to commit, whether the last is an EOS]` out of `proposed[:, :num_accepted + 1]`, which
-    is cut after its first EOS; on the device, so that one host sync reads both."""
-    length = num_accepted[0] + 1
-    if eos is None:
-        return torch.stack([length, torch.zeros_like(length)])
-    positions = torch.arange(proposed.shape[1], device=proposed.device)
-    hits = torch.isin(proposed[0], eos.to(proposed.device)) & (positions < length)
-    return torch.stack([torch.where(hits.any(), hits.int().argmax() + 1, length), hits.any().long()])
-
-
 def _cut_at_criteria(new_tokens, input_ids, scores, criteria: StoppingCriteriaList) -> tuple[torch.LongTensor, bool]:
-    """`new_tokens` up to the first one after which a stop string or custom criterion stops, and whether one did."""
+    """`new_tokens` up to the first one after which a stop string or custom criterion stops, and whether one did
+    (a criterion returns a device tensor: with any, each committed token costs a read, as in plain generate)."""
     if criteria:
         for end in range(1, new_tokens.shape[1] + 1):
             if bool(criteria(torch.cat([input_ids, new_tokens[:, :end]], dim=-1), scores[:, end - 1]).any()):
@@ -241,109 +128,4 @@ def _cut_at_criteria(new_tokens, input_ids, scores, criteria: StoppingCriteriaLi
     return new_tokens, False
 
 
-# ----------------------------------------------------------------------------------------- generate()
-def generate(model: PreTrainedModel, *args, assistant_model=None, **kwargs):
-    """`model.generate(*args, **kwargs)`, decoding with DFlash when `assistant_model` is a DFlash drafter.
-
-    Everything of `generate` applies (streamers, stop strings, stopping criteria, logits processors,
-    sampling, `return_dict_in_generate`, which then also carries `dflash_stats`); per call,
-    `dflash_verify_length=` and `dflash_proposal=` override what `enable` stored.
-    """
-    if assistant_model is None or not is_dflash_drafter(assistant_model):
-        for name in ("dflash_verify_length", "dflash_proposal", "dflash_lookup"):
-            if name in kwargs:
-                raise ValueError(f"{name} applies to DFlash calls only (assistant_model=<a DFlash drafter>).")
-        return type(model).generate(model, *args, assistant_model=assistant_model, **kwargs)
-    if args:  # name positional arguments, so that they can be inspected below
-        bound = inspect.signature(GenerationMixin.generate).bind_partial(model, *args).arguments
-        kwargs.update({name: value for name, value in bound.items() if name != "self"})
-    if kwargs.get("custom_generate") is not None:
-        raise ValueError("A DFlash drafter brings its own decoding loop; drop custom_generate.")
-    kwargs.pop("assistant_tokenizer", None)  # the drafter shares the target's tokenizer; pipelines may pass it
-    _take_stop_strings(model, kwargs)
-    loop = functools.partial(
-        dflash_decode, drafter=assistant_model, streamer=kwargs.get("streamer"),
-        dflash_settings=dict(getattr(model, "__dict__", {}).get(_SETTINGS) or {}),
-    )
-    return type(model).generate(model, custom_generate=loop, **kwargs)
-
-
-def _take_stop_strings(model, kwargs: dict) -> None:
-    """transformers hands a `custom_generate` callable neither the tokenizer nor the streamer, and refuses
-    stop strings without a tokenizer: turn them into a stopping criterion here, where the tokenizer is."""
-    config = kwargs.get("generation_config")
-    stop_strings = kwargs["stop_strings"] if "stop_strings" in kwargs else (config or model.generation_config).stop_strings
-    if not stop_strings or kwargs.get("tokenizer") is None:
-        return  # without a tokenizer transformers raises its own error
-    criterion = StopStringCriteria(kwargs["tokenizer"], stop_strings)
-    kwargs["stopping_criteria"] = StoppingCriteriaList([*(kwargs.get("stopping_criteria") or []), criterion])
-    if config is not None and "stop_strings" not in kwargs:
-        kwargs["generation_config"] = config = copy.copy(config)
-        config.stop_strings = None
-    else:
-        kwargs["stop_strings"] = None
-
-
-class _BoundGenerate:
-    """`model.generate` of an enabled model: `generate` bound through a weak reference."""
-
-    def __init__(self, model: PreTrainedModel):
-        self._model = weakref.ref(model)
-        self.__doc__ = generate.__doc__
-
-    def __call__(self, *args, **kwargs):
-        model = self._model()
-        if model is None:
-            raise ReferenceError("The model of this generate() was freed; keep a reference to it: "
-                                 "`model = dflash_hf.enable(model)`, then `model.generate(...)`.")
-        return generate(model, *args, **kwargs)
-
-    def __deepcopy__(self, memo):
-        # copy.deepcopy(model) registers the copy in `memo` before copying its __dict__ (and so us)
-        model = self._model()
-        return _BoundGenerate(memo.get(id(model), model))
-
-
-def enable(target: PreTrainedModel, proposal: str = "sample", verify_length: int | str | None = ADAPTIVE,
-           lookup: int | str | None = ADAPTIVE):
-    """Lets `target.generate(..., assistant_model=drafter)` (and pipelines) decode with a DFlash drafter.
-
-    Only this instance changes: its `generate` becomes `dflash_hf.generate` bound to it; calls without a
-    DFlash drafter run transformers' `generate` unchanged. Calling `enable` again replaces the settings.
-
-    Args:
-        target (`PreTrainedModel`): a causal LM (`AutoModelForCausalLM`), enabled in place and returned.
-        proposal (`str`, defaults to `"sample"`): how drafts are proposed under `do_sample=True`
-            (`"sample"`, `"argmax"` or `"match"`, see `candidate_generator.PROPOSALS`).
-        verify_length (`str` or `int`, *optional*, defaults to `"adaptive"`): drafts the target verifies per
-            step: `"adaptive"` picks it each step from acceptance and step costs seen so far in the call
-            (plain steps when drafting does not pay); `None` all `block_size - 1`; an int at most that many.
-        lookup (`int` or `str`, *optional*, defaults to `"adaptive"`): also copy up to this many tokens from
-            the context where its last tokens recur, verified instead of the DFlash block when that is
-            expected to pay more. `"adaptive"`: 10 tokens with the adaptive verify length, off with a fixed
-            one (which would verify every copy found in place of the block); None: off. Per call
-            `prompt_lookup_num_tokens=n` or `dflash_lookup=n` (None: off).
-    """
-    if is_dflash_drafter(target):
-        raise TypeError("dflash_hf.enable takes the target model, not the drafter.")
-    if not isinstance(target, PreTrainedModel) or not target.can_generate():
-        raise TypeError(f"dflash_hf.enable expects a transformers model that can generate (AutoModelForCausalLM), "
-                        f"got {type(target).__name__}.")
-    check_settings(proposal, verify_length, lookup)
-    target.__dict__[_SETTINGS] = {"proposal": proposal, "verify_length": verify_length, "lookup": lookup}
-    target.generate = _BoundGenerate(target)
-    return target
-
-
-def is_enabled(target) -> bool:
-    return _SETTINGS in getattr(target, "__dict__", {})
-
-
-def dflash_settings(target) -> dict:
-    """The settings `enable` stored on `target` (a copy)."""
-    if not is_enabled(target):
-        raise ValueError("call dflash_hf.enable(target) first")
-    return dict(target.__dict__[_SETTINGS])
-
-
-__all__ = ["dflash_decode", "enable", "generate", "is_enabled"]
+__all__ = ["decode"]

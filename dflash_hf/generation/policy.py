@@ -18,6 +18,8 @@ a length chosen by looking at the drawn drafts would bias it, tests/test_exact_s
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 
 def matching_prefix(proposed: list[int], truth: list[int]) -> int:
     """How many leading tokens of `proposed` equal `truth` (at most the shorter length)."""
@@ -284,4 +286,83 @@ class CopyPolicy:
         self.passed_over = pending
 
 
-__all__ = ["AdaptiveVerifyLength", "CopyPolicy", "StepCosts", "matching_prefix"]
+class Plan(NamedTuple):
+    """What a step verifies: a run copied from the context (`copy`, host ids), else `num_drafts` DFlash drafts
+    (0: a plain step, the drafter does not run)."""
+
+    copy: list[int] | None
+    num_drafts: int
+
+
+class StepPlanner:
+    """The decisions of a decoding step, from host statistics only: `DFlashCandidateGenerator` takes them, and
+    `benchmarks/policy_replay.py` replays them on recorded text.
+
+    Before the drafter runs, `before_draft` picks the verify length (`drafts.choose`) and whether a copy found in
+    the context beats it (`copies.pays`); after the drafter's forward, `after_draft` verifies a passed-over copy
+    after all when the drafter's greedy first draft agrees with it, and cuts the drafts by the drafter's
+    confidence per slot (`drafts.cut`). Both read only what is fixed before any draft is drawn, which keeps
+    rejection sampling exact. `observe` feeds the step's outcome back.
+
+    Args:
+        max_drafts (`int`): drafts the drafter offers per step (at most `block_size - 1`).
+        drafts (`AdaptiveVerifyLength`, *optional*): the adaptive verify length (None: always `max_drafts`).
+        copies (`CopyPolicy`, *optional*): whether a copy is verified instead of the drafts (None: whenever one
+            is found).
+    """
+
+    def __init__(self, max_drafts: int, drafts: AdaptiveVerifyLength | None = None, copies: CopyPolicy | None = None):
+        self.max_drafts, self.drafts, self.copies = max_drafts, drafts, copies
+        self.pending: tuple[int, list[int]] | None = None  # this step's copy, passed over unless the drafts agree
+
+    def before_draft(self, position: int, room: int, copy: list[int] | None = None) -> Plan:
+        """The plan before the drafter runs: `position` is the index the next token takes, `room` how many
+        tokens can still follow it, `copy` the continuation found in the context (already at most `room`)."""
+        self.pending = None
+        limit = min(self.max_drafts, room)
+        if self.drafts is not None and limit > 0:
+            limit = self.drafts.choose(limit)
+        if copy:
+            if self.copies is None or self.copies.pays(len(copy), limit):
+                return Plan(copy, 0)
+            self.pending = (position, copy)
+        if limit <= 0:
+            self._pass_over()
+            return Plan(None, 0)
+        return Plan(None, limit)
+
+    def after_draft(self, plan: Plan, first_draft: int | None = None, confidences: list[float] | None = None) -> Plan:
+        """The plan once the drafter's distributions are known: `first_draft` its most likely first token after
+        the logits processors, `confidences` the top probability of each of the `plan.num_drafts` slots (None
+        where they are not read: on an accelerator that read would be a host sync).
+
+        A passed-over copy is verified after all when the greedy first draft is its first token: where two
+        independent proposals agree the copy is right far more often than the copy statistics say (they average
+        over all copies), and it is longer than the drafts. Replayed on the same text (16 prompts per set, bf16
+        costs) it took completion from 1.68x to 1.75x and editing from 2.26x to 2.36x, prose unchanged."""
+        if self.pending is not None and first_draft is not None and self.pending[1][0] == first_draft:
+            copy, self.pending = self.pending[1], None
+            return Plan(copy, 0)
+        self._pass_over()
+        if self.drafts is not None and confidences is not None and plan.num_drafts > 1:
+            return Plan(None, self.drafts.cut(confidences[: plan.num_drafts]))
+        return plan
+
+    def _pass_over(self) -> None:
+        if self.pending is not None:
+            self.copies.pass_over(*self.pending)
+            self.pending = None
+
+    def observe(self, plan: Plan, num_accepted: int, seconds: float, committed: list[int]) -> None:
+        """The step verified `plan`, committed the first `num_accepted` proposed tokens and took `seconds`;
+        `committed` is the whole sequence so far (prompt included), which scores the copies passed over."""
+        if plan.copy is not None:
+            if self.copies is not None:  # (and with it the draft policy, if any: both need "adaptive")
+                self.copies.observe(len(plan.copy), num_accepted, seconds)
+        elif self.drafts is not None:
+            self.drafts.observe(plan.num_drafts, num_accepted, seconds)
+        if self.copies is not None and self.copies.passed_over:
+            self.copies.score_passed_over(committed[self.copies.passed_over[0][0] :])
+
+
+__all__ = ["AdaptiveVerifyLength", "CopyPolicy", "Plan", "StepCosts", "StepPlanner", "matching_prefix"]

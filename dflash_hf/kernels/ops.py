@@ -1,7 +1,7 @@
 """The public DFlash kernel op: the Triton kernel where `loader` says so, else the PyTorch reference.
 
 (Verification kernels were removed: verification is a few small tensor ops in the decoding loop,
-`dflash_hf.generation.decoding`, that never showed up in a profile.)"""
+`dflash_hf.generation.decoding` and `verify`, that never showed up in a profile.)"""
 
 import torch
 
