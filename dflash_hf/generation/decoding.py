@@ -37,6 +37,7 @@ def decode(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_id
     raw_logits = () if keep and generation_config.output_logits else None
     hidden_states = () if keep and generation_config.output_hidden_states else None
 
+    compiled, widths, capacity = _compiled_verify(model, generation_config, model_kwargs, generator.longest_verify)
     outputs, accepted, first = None, 0, True
     while True:
         start = time.perf_counter()
@@ -45,18 +46,27 @@ def decode(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_id
         length = input_ids.shape[1]
         num_drafts = proposal.ids.shape[1] - length
         drafted = time.perf_counter()
-        # 2. One target forward over [last token, drafts] (the whole prompt at the prefill).
+        # 2. One target forward over [last token, drafts] (the whole prompt at the prefill). A compiled forward
+        # runs at a few fixed widths, so that its graphs are reused: the drafts are padded with copies of the
+        # last one, which the causal mask hides from the real positions and the crop below drops from the cache.
+        ids, width, forward = proposal.ids, num_drafts + 1, model
+        if compiled is not None and not first:
+            padded = next(w for w in widths if w >= width)
+            if length - 1 + padded <= capacity:  # else this forward runs eagerly: a padded one would not fit
+                ids = torch.cat([ids, ids[:, -1:].expand(-1, padded - width)], dim=-1)
+                width, forward = padded, compiled
         inputs = model.prepare_inputs_for_generation(
-            proposal.ids, next_sequence_length=None if first else num_drafts + 1, is_first_iteration=first,
-            **_extend(model_kwargs, num_drafts),
+            ids, next_sequence_length=None if first else width, is_first_iteration=first,
+            **_extend(model_kwargs, width - 1),
         )
         if "logits_to_keep" in inputs:
-            inputs["logits_to_keep"] = num_drafts + 1
-        outputs = model(**(inputs | proposal.model_kwargs_overrides))
+            inputs["logits_to_keep"] = width
+        outputs = forward(**(inputs | proposal.model_kwargs_overrides))
         if first and not outputs.cache.is_croppable:
             raise ValueError(f"DFlash needs a target cache that can be cropped after rejected drafts; "
-                             f"{type(cache).__name__} of {type(model).__name__} cannot. Use the default cache.")
-        logits = outputs.logits[:, -num_drafts - 1 :].to(input_ids.device, torch.float32)
+                             f"{type(cache).__name__} of {type(model).__name__} cannot (a static cache with "
+                             f"sliding-window layers cannot). Use the default cache.")
+        logits = outputs.logits[:, -width:][:, : num_drafts + 1].to(input_ids.device, torch.float32)
         processed = logits.clone()
         for i in range(num_drafts + 1):
             processed[:, i] = logits_processor(proposal.ids[:, : length + i], processed[:, i])
@@ -74,7 +84,7 @@ def decode(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_id
         done = ends is not None or stopped or length + committed >= generation_config.max_length
         # 4. Commit: the cache keeps exactly the committed tokens but the last (recurrent states too).
         input_ids = torch.cat([input_ids, new_tokens], dim=-1)
-        cache.crop(-(num_drafts + 1 - committed))
+        cache.crop(-(width - committed))
         model_kwargs = _extend(model_kwargs, committed)
         if streamer is not None:
             streamer.put(torch.tensor([tokens]))  # from the host copy: no second read
@@ -83,7 +93,7 @@ def decode(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_id
         if raw_logits is not None:
             raw_logits += tuple(logits[:, i] for i in range(committed))
         if hidden_states is not None:
-            hidden_states += (tuple(h[:, -num_drafts - 1 :][:, :committed] if not first else h for h in outputs.hidden_states),)
+            hidden_states += (tuple(h[:, -width:][:, :committed] if not first else h for h in outputs.hidden_states),)
         now = time.perf_counter()
         stats.draft_seconds += drafted - start
         stats.verify_seconds += now - drafted
@@ -99,6 +109,19 @@ def decode(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_id
         return input_ids
     return DFlashGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, hidden_states=hidden_states,
                                 cache=cache, dflash_stats=stats)
+
+
+def _compiled_verify(model, generation_config, model_kwargs: dict, longest: int) -> tuple:
+    """`(compiled forward, widths, capacity)` where transformers' `generate` would compile the decoding forward (a
+    compileable cache such as `cache_implementation="static"`, on an accelerator or with a `compile_config` that
+    allows every device), else `(None, (), 0)`. Widths: the powers of two below the longest verify forward, then
+    that forward (one graph each); capacity: the tokens the static cache holds. Hybrid targets never compile
+    here: their cache records the recurrent states to roll back, which makes it not compileable."""
+    if not model._valid_auto_compile_criteria(model_kwargs, generation_config):
+        return None, (), 0
+    capacity = min(layer.max_cache_len for layer in model_kwargs["cache"].layers if hasattr(layer, "max_cache_len"))
+    widths = tuple(sorted({min(1 << i, longest) for i in range(longest.bit_length() + 1)}))
+    return model.get_compiled_call(generation_config.compile_config), widths, capacity
 
 
 def _extend(model_kwargs: dict, num_tokens: int) -> dict:
