@@ -129,28 +129,34 @@ def training_prompts() -> list[str]:
     return prompts
 
 
-def prose_tau(folder: Path) -> dict:
+def prose_tau(folder: Path, target: str = "smollm2") -> dict:
     """Held-out tau of the drafter in `folder` on the `prose` bench set (10 prompts, 128 tokens, bf16):
-    the HumanEval tau of training alone cannot show what prose training data does."""
+    the HumanEval tau of training alone cannot show what prose training data does. `target`: the run's
+    `--target` (the embedded SmolLM2 unless a run, such as the device script's dry run, names another)."""
     import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from dflash_hf import embedded
     from dflash_hf.evaluation import encode_prompt, load_prompts, mean_tau
     from dflash_hf.modeling_dflash import DFlashDraftModel
 
-    target, tokenizer = embedded.load_smollm2("bfloat16")
+    if target == "smollm2":
+        target, tokenizer = embedded.load_smollm2("bfloat16")
+    else:
+        target = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+        tokenizer = AutoTokenizer.from_pretrained(target.name_or_path)
     drafter = DFlashDraftModel.from_pretrained(folder, dtype=torch.bfloat16)
     ids = [encode_prompt(tokenizer, item["prompt"]) for item in load_prompts(PROSE_EVAL)]
     return mean_tau(target, drafter, ids, 128, eos_token_id=tokenizer.eos_token_id)
 
 
-def held_out_score(folder: Path) -> float:
+def held_out_score(folder: Path, target: str = "smollm2") -> float:
     """HumanEval tau + prose tau of a drafter folder (prose measured now when its metrics lack it)."""
     metrics_file = folder / "training_metrics.json"
     if not metrics_file.is_file():
         return 0.0
     metrics = json.loads(metrics_file.read_text())
-    prose = metrics.get("eval_prose") or prose_tau(folder)
+    prose = metrics.get("eval_prose") or prose_tau(folder, target)
     return metrics.get("eval", {}).get("mean_tau", 0.0) + prose["mean_tau"]
 
 
@@ -197,6 +203,8 @@ def main(argv=None) -> int:
                         help=f"only write the run's response cache to {RESPONSES.name} (also while it is being generated)")
     args, passthrough = parser.parse_known_args(argv)
     output_dir = Path(args.output_dir)
+    # the target training runs on (`--target` passes through to `dflash-hf train`); prose tau is measured on it
+    target = next((passthrough[i + 1] for i, arg in enumerate(passthrough[:-1]) if arg == "--target"), "smollm2")
     cache = output_dir / "data" / "responses.jsonl"
     if args.save_responses:
         print(f"{save_responses(cache)} responses written to {RESPONSES}")
@@ -220,7 +228,7 @@ def main(argv=None) -> int:
         metrics_file = output_dir / "training_metrics.json"
         metrics = json.loads(metrics_file.read_text())
         tau = metrics.get("eval", {}).get("mean_tau", 0.0)
-        metrics["eval_prose"] = prose_tau(output_dir)
+        metrics["eval_prose"] = prose_tau(output_dir, target)
         metrics_file.write_text(json.dumps(metrics, indent=2))
         point = {"time": time.time(), "step": metrics["global_step"], "tau": tau,
                  "prose_tau": metrics["eval_prose"]["mean_tau"], "train": metrics.get("final", {})}
@@ -228,7 +236,7 @@ def main(argv=None) -> int:
             file.write(json.dumps(point) + "\n")
         print(json.dumps(point), flush=True)
         score, best = tau + point["prose_tau"], output_dir / "best"
-        if score > held_out_score(best):
+        if score > held_out_score(best, target):
             best.mkdir(exist_ok=True)
             for name in BEST_FILES:
                 shutil.copy2(output_dir / name, best / name)

@@ -36,7 +36,7 @@ def test_dry_run_on_a_tiny_target(tmp_path):
                EXTRA_ARGS="--init-from= --target-layer-ids 0 2 --num-prompts 16 --max-new-tokens 8 "
                           "--eval-prompts humaneval:1 --eval-max-new-tokens 8 --dtype float32 --mixed-precision no")
     script = ROOT / "scripts" / "device_train_smollm2.sh"
-    subprocess.run(["bash", str(script), "train", "40"], env=env, check=True, capture_output=True, timeout=300,
+    subprocess.run(["bash", str(script), "train", "90"], env=env, check=True, capture_output=True, timeout=300,
                    cwd=tmp_path)
     assert sorted(p.name for p in out.glob("model.safetensors.part-*")) == ["model.safetensors.part-0"]
     assert (out / "tau_curve.jsonl").read_text().count("\n") >= 2  # several rounds, each with a held-out tau
