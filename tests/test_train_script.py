@@ -64,7 +64,11 @@ def test_a_run_keeps_its_best_round_although_checkpoints_rotate(tmp_path, monkey
         return 0
 
     monkeypatch.setattr(script, "cli_main", train)
-    monkeypatch.setattr(script, "prose_tau", lambda folder: {"mean_tau": prose["tau"]})
+    def prose_tau(folder, target):  # the round's prose tau, measured on the run's own target
+        assert target == "smollm2"
+        return {"mean_tau": prose["tau"]}
+
+    monkeypatch.setattr(script, "prose_tau", prose_tau)
     monkeypatch.setattr(script, "training_prompts", lambda: ["a prompt"])
     monkeypatch.setattr(script, "save_responses", lambda cache: 0)
     monkeypatch.setattr(script, "RESPONSES", tmp_path / "no-responses.jsonl.gz")
