@@ -1,4 +1,4 @@
-"""The DFlash block-attention kernel vs its PyTorch reference.
+"""The DFlash kernels (block attention, verification) vs their PyTorch references.
 
     python benchmarks/kernel_timings.py                 # realistic shapes (GPU; CPU times the reference only)
     python benchmarks/kernel_timings.py --quick         # tiny shapes, seconds on a CPU
@@ -6,7 +6,8 @@
 
 Prints a table and writes JSON (`--json`). Drafter head layouts: Qwen3-8B-DFlash-b16 (32 query
 heads, 8 KV heads, head_dim 128) and gemma-4-31B-it-DFlash (64 / 8 / 128); block size 16; cached
-context 1k-32k.
+context 1k-32k. Verification: a block of 16 (15 drafts) over Qwen3's 151,936-token vocabulary, fp32
+scores, greedy and rejection sampling (the reference includes the two softmaxes the kernel does inside).
 """
 
 import argparse
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_hf.generation import verify as accept_rules
 from dflash_hf.kernels import block_attention_reference, load_kernels
 from dflash_hf.kernels.loader import interpreting
 
@@ -25,6 +27,8 @@ LAYOUTS = {"qwen3-8b-dflash": (32, 8, 128), "gemma-4-31b-it-dflash": (64, 8, 128
 CONTEXTS = (1024, 4096, 8192, 16384, 32768)
 QUICK_LAYOUTS = {"tiny-gqa4": (8, 2, 64)}
 QUICK_CONTEXTS = (64, 256)
+VERIFY_SHAPES = ((1, 15, 151936), (8, 15, 151936))  # (batch, drafts, vocab)
+QUICK_VERIFY_SHAPES = ((1, 7, 4096),)
 
 
 def _timer(device: torch.device, repeats: int):
@@ -64,6 +68,25 @@ def _attention_rows(kernels, layouts, contexts, block, window, dtype, device, me
             yield row
 
 
+def _verify_rows(kernels, shapes, device, measure):
+    for batch, k, vocab in shapes:
+        target = torch.randn(batch, k + 1, vocab, device=device)
+        draft_scores = target[:, :-1] + torch.randn(batch, k, vocab, device=device)
+        drafts = target[:, :-1].argmax(-1)
+        uniform, exponential = accept_rules.sampling_noise(batch, k, vocab, device=device)
+        shape = f"batch={batch} drafts={k} vocab={vocab}"
+        row = dict(op="greedy_verify", shape=shape, reference_ms=measure(lambda: accept_rules.greedy_verify(drafts, target)))
+        if kernels is not None:
+            row["kernel_ms"] = measure(lambda: kernels.greedy_verify(drafts, target))
+        yield row
+        reference = lambda: accept_rules.rejection_verify(drafts, draft_scores.softmax(-1), target.softmax(-1), uniform,
+                                                          exponential)
+        row = dict(op="rejection_verify", shape=shape, reference_ms=measure(reference))
+        if kernels is not None:
+            row["kernel_ms"] = measure(lambda: kernels.rejection_verify(drafts, draft_scores, target, uniform, exponential))
+        yield row
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
@@ -97,6 +120,7 @@ def main() -> None:
     with torch.inference_mode():
         for row in _attention_rows(kernels, layouts, contexts, 16, args.window, dtype, device, measure):
             rows.append(row)
+        rows.extend(_verify_rows(kernels, QUICK_VERIFY_SHAPES if args.quick else VERIFY_SHAPES, device, measure))
 
     print(f"\n{'op':<17} {'shape':<52} {'reference ms':>13} {'kernel ms':>10} {'speedup':>8}")
     for row in rows:

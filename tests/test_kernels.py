@@ -181,3 +181,114 @@ def test_generate_with_kernel_attention_on_sliding_layers(kernels):
     config = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=6)
     drafter = use_dflash_attention(tiny.drafter(**config).to(DEVICE), backend="triton")
     assert torch.equal(target.generate(prompt, max_new_tokens=20, do_sample=False, assistant_model=drafter), expected)
+
+
+# --- The verification kernel: a block's acceptance in one launch, against the accept rules it replaces.
+
+from dflash_hf.generation import verify as accept_rules  # noqa: E402
+
+# (batch, drafts, vocab): one tile and several (the kernel tiles the vocabulary by 1024), no drafts, long blocks
+VERIFY_CASES = [(1, 7, 100), (3, 15, 2500), (2, 0, 50), (4, 3, 1030), (2, 31, 300)]
+
+
+def _verify_inputs(batch, k, vocab, seed, agree=0.7):
+    """Target scores, drafts that mostly equal their argmax (so acceptance runs deep), and the drafter's scores."""
+    generator = torch.Generator().manual_seed(seed)
+    target = torch.randn(batch, k + 1, vocab, generator=generator) * 3
+    drafts = torch.where(torch.rand(batch, k, generator=generator) < agree, target[:, :-1].argmax(-1),
+                         torch.randint(0, vocab, (batch, k), generator=generator))
+    draft_scores = target[:, :-1] + torch.randn(batch, k, vocab, generator=generator)
+    return drafts.to(DEVICE), target.to(DEVICE), draft_scores.to(DEVICE), generator
+
+
+@pytest.mark.parametrize("case", VERIFY_CASES, ids=lambda case: "b{}-k{}-v{}".format(*case))
+def test_greedy_verify_kernel_matches_reference(kernels, case):
+    for seed in range(3):
+        drafts, target, _, _ = _verify_inputs(*case, seed)
+        accepted, next_token = kernels.greedy_verify(drafts, target)
+        expected_accepted, expected_next = accept_rules.greedy_verify(drafts, target)
+        assert torch.equal(accepted, expected_accepted) and torch.equal(next_token, expected_next)
+
+
+def test_greedy_verify_kernel_breaks_ties_as_torch_argmax(kernels):
+    # Every score equal but a few: the argmax is the first index of the maximum, also across vocabulary tiles.
+    target = torch.zeros(2, 3, 2100, device=DEVICE)
+    target[0, :, [5, 1500]] = 1.0
+    target[1, :, [1030, 2099]] = 1.0
+    target[1, 1] = 0.0  # slot 1 of row 1: all tied, index 0
+    drafts = torch.tensor([[5, 1500], [1030, 0]], device=DEVICE)
+    accepted, next_token = kernels.greedy_verify(drafts, target)
+    assert accepted.tolist() == [1, 2] and next_token.tolist() == [5, 1030]
+    assert (accepted.tolist(), next_token.tolist()) == tuple(t.tolist() for t in accept_rules.greedy_verify(drafts, target))
+
+
+@pytest.mark.parametrize("case", [c for c in VERIFY_CASES if c[1] > 0], ids=lambda case: "b{}-k{}-v{}".format(*case))
+def test_rejection_verify_kernel_matches_reference(kernels, case):
+    """Same drafts, scores and random draws: the kernel accepts as many drafts and samples the same token, so it
+    is exact wherever the reference is (tests/test_exact_sampling.py)."""
+    batch, k, vocab = case
+    accepted_counts = set()
+    for seed in range(6):
+        drafts, target, draft_scores, generator = _verify_inputs(*case, seed)
+        uniform, exponential = (t.to(DEVICE) for t in accept_rules.sampling_noise(batch, k, vocab, generator=generator))
+        got = kernels.rejection_verify(drafts, draft_scores, target, uniform, exponential)
+        expected = accept_rules.rejection_verify(drafts, draft_scores.softmax(-1), target.softmax(-1), uniform, exponential)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        accepted_counts.update(got[0].tolist())
+    assert len(accepted_counts) > 1  # the cases reach more than one branch (a rejection, or all accepted)
+
+
+def test_rejection_verify_kernel_with_one_hot_drafts_and_top_k_target(kernels):
+    """An argmax proposal or a copy (q one-hot: -inf off the draft) against a top-k target (-inf off its top k):
+    a draft outside the target's top k is never accepted, and the residual is p itself off the draft."""
+    batch, k, vocab = 3, 5, 1200
+    drafts, target, _, generator = _verify_inputs(batch, k, vocab, seed=4, agree=0.5)
+    top = target.topk(4, dim=-1).indices
+    target = torch.full_like(target, float("-inf")).scatter(-1, top, target.gather(-1, top))
+    # Row 0 drafts the target's favourite at slot 0 in the second vocabulary tile: q's first tile is all -inf.
+    target[0, 0, 1100] = 30.0
+    drafts[0, 0] = 1100
+    one_hot = torch.full((batch, k, vocab), float("-inf"), device=DEVICE).scatter(-1, drafts[..., None], 0.0)
+    for seed in range(8):
+        uniform, exponential = (t.to(DEVICE) for t in accept_rules.sampling_noise(batch, k, vocab,
+                                                                                 generator=torch.Generator().manual_seed(seed)))
+        got = kernels.rejection_verify(drafts, one_hot, target, uniform, exponential)
+        expected = accept_rules.rejection_verify(drafts, one_hot.softmax(-1), target.softmax(-1), uniform, exponential)
+        assert torch.equal(got[0], expected[0]) and torch.equal(got[1], expected[1])
+        assert bool(target.gather(-1, got[1][:, None, None].expand(-1, k + 1, 1)).isfinite().any())
+        assert got[0][0] >= 1  # p(1100) ~ 1: accepted
+
+
+def test_verify_kernels_reject_mismatched_shapes(kernels):
+    drafts, target, draft_scores, _ = _verify_inputs(2, 4, 64, seed=0)
+    with pytest.raises(ValueError, match="do not cover"):
+        kernels.greedy_verify(drafts, target[:, :-1])
+    with pytest.raises(ValueError, match="uniform must be"):
+        kernels.rejection_verify(drafts, draft_scores, target, torch.rand(2, 3, device=DEVICE), torch.ones(2, 64, device=DEVICE))
+
+
+def test_sampling_generate_runs_the_verify_kernel_and_samples_as_the_reference(kernels, monkeypatch):
+    """With DFLASH_KERNELS=triton (on an accelerator: by default) the decoding loop verifies through the kernel;
+    with the same seed it commits exactly the tokens the PyTorch accept rules commit (same draws in, same tokens out)."""
+    calls = []
+    greedy, rejection = kernels.greedy_verify, kernels.rejection_verify
+    monkeypatch.setattr(kernels, "greedy_verify", lambda *a: calls.append("greedy") or greedy(*a))
+    monkeypatch.setattr(kernels, "rejection_verify", lambda *a: calls.append("rejection") or rejection(*a))
+    target = dflash_hf.enable(tiny.qwen3_target().to(DEVICE))
+    drafter = tiny.drafter(block_size=4).to(DEVICE)
+    prompt = torch.randint(0, tiny.VOCAB - 1, (1, 7), generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    runs = {}
+    for backend in ("triton", "torch"):
+        monkeypatch.setenv("DFLASH_KERNELS", backend)
+        torch.manual_seed(3)
+        runs[backend] = target.generate(prompt, max_new_tokens=12, do_sample=True, top_k=20, assistant_model=drafter,
+                                        dflash_verify_length=3)
+        if backend == "triton":
+            assert "rejection" in calls
+            calls.clear()
+    assert not calls  # DFLASH_KERNELS=torch: the reference
+    assert torch.equal(runs["triton"], runs["torch"])
+    monkeypatch.setenv("DFLASH_KERNELS", "triton")
+    assert torch.equal(target.generate(prompt, max_new_tokens=12, do_sample=False, assistant_model=drafter),
+                       target.generate(prompt, max_new_tokens=12, do_sample=False))
+    assert "greedy" in calls

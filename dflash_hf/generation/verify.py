@@ -6,13 +6,17 @@ holds for any proposal distribution q *fixed before its tokens are drawn*: how m
 and from which q, may depend on anything known before the draw (the drafter's distributions, the call's
 statistics), never on the drawn tokens themselves.
 
-These functions are the PyTorch reference of the verification kernel and its fallback; every tensor has
-a leading batch dimension.
+These functions are the PyTorch reference of the verification kernel (`dflash_kernels.greedy_verify`,
+`rejection_verify`) and its fallback; `verify` runs the kernel where it loads on an accelerator (on CPU
+tensors, in Triton's interpreter, only with `DFLASH_KERNELS=triton`). Every tensor has a leading batch dimension.
 """
 
 from __future__ import annotations
 
 import torch
+
+from ..kernels.loader import resolve_backend
+from ..kernels.ops import verify_kernels
 
 
 def greedy_verify(draft_ids: torch.LongTensor, target_logits: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:
@@ -104,15 +108,24 @@ def verify(draft_ids: torch.LongTensor, draft_scores: torch.Tensor | None, targe
     """`(accepted, next_token)`, each `(batch,)`: the greedy prefix match, or exact sampling from the processed
     `target_scores` (`(batch, k + 1, vocab)`) given the scores q the drafts were drawn from (`None`: the "match"
     rule; no drafts: a plain sample, as plain `generate` draws it)."""
+    # CPU tensors ask for the kernels only when told to: under `auto` the loader would warn every CPU user that
+    # no GPU is there, and the interpreter is for tests of the kernel, not for decoding.
+    on_cpu = target_scores.device.type == "cpu"
+    kernels = verify_kernels(target_scores) if not on_cpu or resolve_backend() == "triton" else None
     if not do_sample:
+        if kernels is not None:
+            return kernels.greedy_verify(draft_ids, target_scores)
         return greedy_verify(draft_ids, target_scores)
-    probs = target_scores.softmax(dim=-1)
     if draft_ids.shape[1] == 0:
+        probs = target_scores.softmax(dim=-1)
         return draft_ids.new_zeros(draft_ids.shape[0]), torch.multinomial(probs[:, 0], num_samples=1)[:, 0]
     if draft_scores is None:
-        return match_verify(draft_ids, probs)
-    uniform, exponential = sampling_noise(draft_ids.shape[0], draft_ids.shape[1], probs.shape[-1], device=probs.device)
-    return rejection_verify(draft_ids, draft_scores.softmax(dim=-1), probs, uniform, exponential)
+        return match_verify(draft_ids, target_scores.softmax(dim=-1))
+    batch, k, vocab = draft_scores.shape
+    uniform, exponential = sampling_noise(batch, k, vocab, device=target_scores.device)
+    if kernels is not None:  # the same draws: kernel and reference sample the same tokens
+        return kernels.rejection_verify(draft_ids, draft_scores, target_scores, uniform, exponential)
+    return rejection_verify(draft_ids, draft_scores.softmax(dim=-1), target_scores.softmax(dim=-1), uniform, exponential)
 
 
 __all__ = ["greedy_verify", "match_verify", "rejection_terms", "rejection_verify", "sampling_noise", "verify"]

@@ -1,4 +1,4 @@
-"""Kernels for DFlash: block attention for the drafter.
+"""Kernels for DFlash: block attention for the drafter, and the verification of a drafted block.
 
 The Triton kernel lives in a Hub kernel repository (`kernels/dflash-kernels` in this source tree,
 `dflash-hf/dflash-kernels` on the Hub) loaded with the `kernels` library; its PyTorch reference here
@@ -10,7 +10,7 @@ runs wherever the kernel cannot (CPU, no Triton, `DFLASH_KERNELS=torch`).
 
 from .attention import ATTENTION_NAME, dflash_block_attention_forward, register_dflash_attention, use_dflash_attention
 from .loader import BACKENDS, ENV_VAR, HUB_REPO_ID, HUB_VERSION, load_kernels, local_kernel_repo, resolve_backend
-from .ops import block_attention
+from .ops import block_attention, verify_kernels
 from .reference import block_attention_reference
 
 __all__ = [
@@ -27,4 +27,5 @@ __all__ = [
     "register_dflash_attention",
     "resolve_backend",
     "use_dflash_attention",
+    "verify_kernels",
 ]

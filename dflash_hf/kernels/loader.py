@@ -24,8 +24,8 @@ logger = logging.getLogger(__name__)
 ENV_VAR = "DFLASH_KERNELS"
 BACKENDS = ("auto", "triton", "torch")
 HUB_REPO_ID = "dflash-hf/dflash-kernels"
-HUB_VERSION = 1  # the kernel API version this package calls (`version` in build.toml)
-KERNEL_API = ("block_attention",)
+HUB_VERSION = 2  # the kernel API version this package calls (`version` in build.toml)
+KERNEL_API = ("block_attention", "greedy_verify", "rejection_verify")
 
 # (backend, source, version, revision, interpreting) -> module or None.
 _LOADED: dict[tuple, ModuleType | None] = {}

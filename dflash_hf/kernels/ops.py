@@ -1,7 +1,9 @@
-"""The public DFlash kernel op: the Triton kernel where `loader` says so, else the PyTorch reference.
+"""The public DFlash kernel ops: the Triton kernels where `loader` says so, else the PyTorch references.
 
-(Verification kernels were removed: verification is a few small tensor ops in the decoding loop,
-`dflash_hf.generation.decoding` and `verify`, that never showed up in a profile.)"""
+The verification ops' references are the accept rules themselves (`dflash_hf.generation.verify`); on an
+accelerator the kernel does a block's acceptance in one launch instead of the ~10 small ops (softmaxes,
+gathers, cumprod, the residual race) each of which is a launch and an idle gap between the target's
+forward and the next draft."""
 
 import torch
 
@@ -27,3 +29,9 @@ def block_attention(
     if kernels is None:
         return block_attention_reference(q, k, v, scale, sliding_window)
     return kernels.block_attention(q, k, v, scale, sliding_window)
+
+
+def verify_kernels(tensor: torch.Tensor, backend: str | None = None):
+    """The kernel module whose `greedy_verify` and `rejection_verify` run on `tensor`, or None for the
+    PyTorch accept rules (CPU outside the Triton interpreter, no Triton, `DFLASH_KERNELS=torch`)."""
+    return kernels_for(tensor, backend)
