@@ -181,10 +181,10 @@ def ship(run: Path) -> None:
 def save_responses(cache: Path) -> int:
     """Writes the run's response cache to `RESPONSES` (compressed, one line per prompt); returns the count."""
     examples = load_responses(cache)
-    # mtime=0: the same responses give the same bytes, so an unchanged cache makes no diff. Written beside
-    # it and renamed: a run killed mid-write once left the committed file empty.
+    # mtime=0 and the final file name in the header: the same responses give the same bytes, so an unchanged
+    # cache makes no diff. Written beside it and renamed: a run killed mid-write once left the committed file empty.
     partial = RESPONSES.with_name(RESPONSES.name + ".partial")
-    with open(partial, "wb") as raw, gzip.GzipFile(fileobj=raw, mode="wb", mtime=0) as file:
+    with open(partial, "wb") as raw, gzip.GzipFile(RESPONSES.name, "wb", fileobj=raw, mtime=0) as file:
         file.write("".join(json.dumps(example) + "\n" for example in examples.values()).encode())
     partial.replace(RESPONSES)
     return len(examples)
