@@ -127,6 +127,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-chat-template", action="store_true")
     parser.add_argument("--output", default="dflash-bench.json", help="JSON results (a .png is written next to it)")
     parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
+                        help="instead: plain batched generate against batched DFlash (full block) at each batch size B")
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -145,6 +147,20 @@ def run_bench(args: argparse.Namespace) -> int:
     items = load_prompts(args.prompts, limit=args.num_prompts)
     chat = False if args.no_chat_template else None
     prompt_ids = [encode(tokenizer, item["prompt"], chat) for item in items]
+    if args.batch_size:
+        from .evaluation import format_batch_summary, run_batch_bench
+
+        if min(args.batch_size) < 1:
+            raise SystemExit("--batch-size takes batch sizes >= 1")
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        result = run_batch_bench(target, drafter, prompt_ids, args.batch_size, max_new_tokens=args.max_new_tokens,
+                                 pad_token_id=pad, repeats=args.repeats, eos_token_id=tokenizer.eos_token_id)
+        result.update(target=args.target, drafter=args.drafter or "shipped", prompt_set=args.prompts)
+        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
+        Path(args.output).write_text(json.dumps(result, indent=2))
+        print(format_batch_summary(result))
+        print(f"results: {args.output}")
+        return 0
     result = bench(
         target, drafter, prompt_ids, max_new_tokens=args.max_new_tokens, verify_lengths=args.verify_lengths,
         prompt_names=[item["id"] for item in items], progress=not args.no_progress, adaptive=not args.no_adaptive,

@@ -389,9 +389,85 @@ def mean_tau(target, drafter, prompt_ids, max_new_tokens=64, eos_token_id=None) 
 
 
 
+def run_batch_bench(target, drafter: DFlashDraftModel, prompt_ids: list[list[int]], batch_sizes: list[int],
+                    max_new_tokens: int = 128, pad_token_id: int = 0, repeats: int = 1, eos_token_id=None) -> dict:
+    """Plain batched greedy `generate` against batched DFlash (full block), per batch size: the prompts in
+    consecutive batches of B (left-padded), the two runs alternating their order per batch and repeat (the median
+    of `repeats`). Tokens per second count each row's new tokens up to its EOS; `tau` is the mean of the rows'
+    own; `identical` the share of rows whose output equals plain batched greedy's. Returns a JSON-ready dict."""
+    import statistics
+
+    device = next(target.parameters()).device
+    pad = pad_token_id
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
+    if eos_token_id is not None:
+        kwargs["eos_token_id"] = eos_token_id
+    eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+
+    def batches(size):
+        for start in range(0, len(prompt_ids), size):
+            chunk = prompt_ids[start : start + size]
+            width = max(map(len, chunk))
+            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+            mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
+            yield ids, mask
+
+    def new_tokens(sequences, width):
+        counts = []
+        for row in sequences[:, width:].tolist():
+            end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+            counts.append(end)
+        return sum(counts)
+
+    with torch.inference_mode():  # warm-up: the first call of each kind pays one-time costs
+        ids, mask = next(batches(min(batch_sizes)))
+        target.generate(ids, attention_mask=mask, **(kwargs | {"max_new_tokens": 4}))
+        generate(target, ids, attention_mask=mask, assistant_model=drafter, **(kwargs | {"max_new_tokens": 4}))
+    results = []
+    for size in batch_sizes:
+        seconds = {"plain": 0.0, "dflash": 0.0}
+        tokens, taus, same, rows = 0, [], 0, 0
+        for index, (ids, mask) in enumerate(batches(size)):
+            times = {"plain": [], "dflash": []}
+            for repeat in range(repeats):
+                for key in ("plain", "dflash") if (index + repeat) % 2 == 0 else ("dflash", "plain"):
+                    start = time.perf_counter()
+                    with torch.inference_mode():
+                        if key == "plain":
+                            plain = target.generate(ids, attention_mask=mask, **kwargs)
+                        else:
+                            out = generate(target, ids, attention_mask=mask, assistant_model=drafter,
+                                           dflash_verify_length=None, return_dict_in_generate=True, **kwargs)
+                    times[key].append(time.perf_counter() - start)
+            for key in seconds:
+                seconds[key] += statistics.median(times[key])
+            tokens += new_tokens(plain, ids.shape[1])
+            taus += [row.mean_acceptance_length for row in out.dflash_stats.rows] or [out.dflash_stats.mean_acceptance_length]
+            same += sum(torch.equal(a, b) for a, b in zip(out.sequences, plain))
+            rows += ids.shape[0]
+        results.append({
+            "batch_size": size, "rows": rows, "new_tokens": tokens,
+            "plain_tok_s": tokens / seconds["plain"], "dflash_tok_s": tokens / seconds["dflash"],
+            "speedup": seconds["plain"] / seconds["dflash"], "tau": statistics.mean(taus),
+            "identical": same / rows,
+        })
+    return {"batch_sizes": results, "dtype": str(target.dtype), "block_size": drafter.config.block_size,
+            "max_new_tokens": max_new_tokens}
+
+
+def format_batch_summary(result: dict) -> str:
+    lines = [f"batched greedy, {result['dtype']}, block {result['block_size']}, {result['max_new_tokens']} new tokens",
+             f"{'batch':>5} {'plain tok/s':>11} {'dflash tok/s':>12} {'speedup':>8} {'tau/row':>8} {'identical':>9}"]
+    for row in result["batch_sizes"]:
+        lines.append(f"{row['batch_size']:>5} {row['plain_tok_s']:>11.1f} {row['dflash_tok_s']:>12.1f} "
+                     f"{row['speedup']:>7.2f}x {row['tau']:>8.2f} {row['identical']:>9.0%}")
+    return "\n".join(lines)
+
 
 __all__ = [
     "PromptSetMissing",
+    "format_batch_summary",
+    "run_batch_bench",
     "encode_prompt",
     "humaneval_edit_prompts",
     "humaneval_prompts",

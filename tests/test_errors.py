@@ -59,9 +59,6 @@ def test_mask_token_outside_vocab(target):
         _generate(target, drafter(0, dflash_config={"mask_token_id": VOCAB, "target_layer_ids": [1, 2]}))
 
 
-def test_batch_larger_than_one(target):
-    with pytest.raises(ValueError, match="batch of 2; call generate once per prompt"):
-        _generate(target, drafter(0), prompt=PROMPT.repeat(2, 1))
 
 
 def test_target_whose_cache_cannot_roll_back(target):

@@ -169,3 +169,28 @@ def test_one_host_read_per_step_with_the_real_drafter_forward(looping, counted, 
                                  return_dict_in_generate=True)
     assert all(n > 0 for n in out.dflash_stats.verify_lengths[:-1])  # (the last one may lack the room)
     assert_one_read_per_step(counter, plain)
+
+
+@pytest.mark.parametrize("do_sample", (False, True), ids=("greedy", "sampling"))
+def test_a_batch_reads_no_more_per_step_than_plain_batched_generate(counted, do_sample):
+    """Batched DFlash (generation/batched.py) reads per step the one thing the loop reads (every row's accepted
+    length, tokens and drafts) and the drafter forward's check of whether its mask pads anything (a batch's mask
+    always has padding or holes; batch 1 with a padded prompt reads it too): two, as many as plain batched
+    `generate` reads per token (the target's mask check and the stopping criteria's), measured with the same
+    counter. Uploads: one of the remaining rows' indices when rows finish, and the output at the end."""
+    target = tiny.qwen3_target()
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5], [0, 8, 9, 10, 11]])
+    mask = (torch.arange(5) >= torch.tensor([[2], [0], [1]])).long()
+    kwargs = dict(attention_mask=mask, do_sample=do_sample, pad_token_id=0)
+    plain = counted(target)
+    with plain:
+        target.generate(ids, max_new_tokens=8, **kwargs)
+    counter = counted(target)
+    with counter:
+        out = dflash_hf.generate(target, ids, max_new_tokens=16, assistant_model=tiny.drafter(0, block_size=4),
+                                 return_dict_in_generate=True, **kwargs)
+    steps = [len(row.acceptance_lengths) for row in out.dflash_stats.rows]
+    assert len(counter.reads) == max(steps) + 2 and min(steps) < max(steps)  # (a row finished early)
+    assert counter.reads[0] <= plain.reads[0] + 1, counter.over("reads", -1, first=0)
+    assert max(counter.reads[2:]) <= min(plain.reads[2:]) == 2, (counter.reads, plain.reads, counter.over("reads", 1))
+    assert max(counter.uploads[2:], default=0) <= 1 and sum(counter.uploads[2:]) <= len(set(steps)), counter.uploads

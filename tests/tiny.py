@@ -177,3 +177,38 @@ class ForwardCounter:
 
     def _seen(self, module, args):
         self.count += 1
+
+
+class BatchOracleDrafter(DFlashDraftModel):
+    """The oracle for a batch: `scripts[r]` is row r's greedy continuation indexed by the row's own positions (its
+    first real token at 0). A row is recognised by its anchor (token and position), since finished rows leave the
+    batch; `wrong(row, step)` gives the block slot that drafts a wrong token in that step (None: none), so that
+    rows accept different numbers of drafts."""
+
+    scripts: list
+    logit_scale: float = 20.0
+
+    def arm(self, scripts, target, wrong=lambda row, step: None):
+        self.scripts, self.wrong, self.steps = [s.tolist() for s in scripts], wrong, 0
+        self.lm_head, self._embeddings = target.get_output_embeddings(), target.get_input_embeddings()
+        return self
+
+    def forward(self, noise_embeds, context_hidden_states, position_ids, attention_mask=None, cache=None, **kwargs):
+        output = super().forward(noise_embeds, context_hidden_states, position_ids, attention_mask, cache, **kwargs)
+        block = noise_embeds.shape[1]
+        weight = self.lm_head.weight.detach().float()
+        table = self._embeddings.weight.detach().float()
+        anchors = torch.cdist(noise_embeds[:, 0].float(), table).argmin(-1).tolist()  # the anchor's own embedding
+        hidden = []
+        for i, start in enumerate(position_ids[:, -block:][:, 0].tolist()):
+            row = next((r for r, s in enumerate(self.scripts) if start < len(s) and s[start] == anchors[i]), None)
+            script = self.scripts[row] if row is not None else []
+            wanted = [script[p] if p < len(script) else 0 for p in range(start, start + block)]
+            slot = self.wrong(row, self.steps) if row is not None else None
+            if slot is not None and 0 < slot < block:
+                wanted[slot] = (wanted[slot] + 1) % (weight.shape[0] - 1)
+            targets = torch.nn.functional.one_hot(torch.tensor(wanted), weight.shape[0]).float() * self.logit_scale
+            hidden.append((torch.linalg.pinv(weight) @ targets.T).T)
+        self.steps += 1
+        output.last_hidden_state = torch.stack(hidden).to(output.last_hidden_state.dtype)
+        return output

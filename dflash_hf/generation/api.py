@@ -24,7 +24,8 @@ from transformers.generation.stopping_criteria import EosTokenCriteria, StopStri
 
 from ..targets import check_compatible, is_dflash_drafter
 from .candidate_generator import ADAPTIVE, DFlashCandidateGenerator, check_settings
-from .decoding import decode
+from .batched import check_batch, decode_batch
+from .decoding import decode, per_token_criteria
 from .stats import DFlashStats
 
 _SETTINGS = "_dflash_settings"  # where enable() keeps its options, in the instance's __dict__
@@ -63,6 +64,10 @@ def dflash_decode(
                             {"verify_length": dflash_verify_length, "proposal": dflash_proposal, "lookup": dflash_lookup},
                             dflash_settings)
     drafter.last_stats = stats = DFlashStats()
+    if input_ids.shape[0] > 1:
+        check_batch(model, logits_processor, per_token_criteria(stopping_criteria), streamer, generation_config,
+                    model_kwargs.get("cache"))
+        return decode_batch(model, generator, input_ids, logits_processor, generation_config, model_kwargs, eos, stats)
     return decode(model, generator, input_ids, logits_processor, stopping_criteria, generation_config, model_kwargs,
                   eos, streamer, stats)
 
@@ -82,6 +87,14 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
     if generation_config.prompt_lookup_num_tokens is not None:  # with a DFlash drafter: copy where it can
         settings["lookup"] = generation_config.prompt_lookup_num_tokens
     check_settings(settings["proposal"], settings["verify_length"], settings["lookup"])
+    if input_ids.shape[0] > 1:  # a batch verifies the same number of drafts in every row (generation/batched.py)
+        if settings["lookup"] not in (ADAPTIVE, None):
+            raise ValueError(f"DFlash with a batch of prompts does not copy from the context (lookup="
+                             f"{settings['lookup']!r}); drop prompt_lookup_num_tokens / dflash_lookup, or generate one "
+                             "prompt at a time.")
+        settings["lookup"] = None
+        if settings["verify_length"] == ADAPTIVE:
+            settings["verify_length"] = None
     check_compatible(model, drafter)
     unsupported = {
         "num_beams": "beam search", "num_return_sequences": "several sequences per prompt",
@@ -92,9 +105,6 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
                              "the DFlash drafter.")
     if generation_config.output_attentions:
         raise ValueError("DFlash does not return attentions; drop output_attentions.")
-    if input_ids.shape[0] != 1:
-        raise ValueError(f"DFlash decodes one sequence at a time, got a batch of {input_ids.shape[0]}; call generate "
-                         "once per prompt.")
     if input_ids.shape[1] == 0 and model_kwargs.get("inputs_embeds") is None:
         raise ValueError("DFlash needs a prompt of at least one token (the drafter drafts from the target's context).")
     if model_kwargs.get("cache") is None:

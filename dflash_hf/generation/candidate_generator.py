@@ -311,7 +311,7 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         if self.noise_mask is None:  # made where the ids are: a copy of a CPU tensor there would wait for the device
             self.noise_mask = torch.full((1, self.block_size - 1), self.mask_token_id, device=input_ids.device,
                                          dtype=input_ids.dtype)
-        noise_ids = torch.cat([input_ids[:, -1:], self.noise_mask], dim=-1)
+        noise_ids = torch.cat([input_ids[:, -1:], self.noise_mask.expand(input_ids.shape[0], -1)], dim=-1)
         noise_embeds = self._get_noise_embeds(noise_ids.to(self.main_model_input_embeddings.weight.device))
         self.cache.set_previous_accepted_tokens(num_context)
         output = self.assistant_model(

@@ -31,7 +31,7 @@ def decode(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_id
     with the prompt. Returns the sequences, or a `DFlashGenerateOutput` under `return_dict_in_generate`."""
     stats, cache = stats if stats is not None else DFlashStats(), model_kwargs["cache"]
     # Stop strings and custom criteria are checked after every committed token, like plain generate.
-    per_token = StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
+    per_token = per_token_criteria(stopping_criteria)
     keep = generation_config.return_dict_in_generate
     scores = () if keep and generation_config.output_scores else None
     raw_logits = () if keep and generation_config.output_logits else None
@@ -111,6 +111,11 @@ def decode(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_id
                                 cache=cache, dflash_stats=stats)
 
 
+def per_token_criteria(stopping_criteria: StoppingCriteriaList) -> StoppingCriteriaList:
+    """The criteria other than EOS and `max_length` (which the loop applies from its host copy of the tokens)."""
+    return StoppingCriteriaList([c for c in stopping_criteria if not isinstance(c, (MaxLengthCriteria, EosTokenCriteria))])
+
+
 def _compiled_verify(model, generation_config, model_kwargs: dict, longest: int) -> tuple:
     """`(compiled forward, widths, capacity)` where transformers' `generate` would compile the decoding forward (a
     compileable cache such as `cache_implementation="static"`, on an accelerator or with a `compile_config` that
@@ -151,4 +156,4 @@ def _cut_at_criteria(new_tokens, input_ids, scores, criteria: StoppingCriteriaLi
     return new_tokens, False
 
 
-__all__ = ["decode"]
+__all__ = ["decode", "per_token_criteria"]

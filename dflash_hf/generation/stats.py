@@ -23,6 +23,8 @@ class DFlashStats:
     copied_accepted_tokens: int = 0  # copied tokens the target committed (counted in accepted_tokens too)
     draft_seconds: float = 0.0  # in the drafter (context ingestion + block forward + lm_head + proposal)
     verify_seconds: float = 0.0  # in the target's forwards and acceptance, prefill included
+    # with a batch of prompts: each row's own statistics (the call's above count every row's steps)
+    rows: list["DFlashStats"] = field(default_factory=list)
 
     def record(self, num_drafts: int, num_accepted: int, copied: bool = False) -> None:
         """One verification forward: `num_drafts` drafts handed over (`copied` from the context), the first
@@ -75,6 +77,7 @@ class DFlashStats:
             "draft_seconds": self.draft_seconds,
             "verify_seconds": self.verify_seconds,
             "plain_steps": self.plain_steps,
+            **({"rows": [row.as_dict() for row in self.rows]} if self.rows else {}),
         }
 
 
