@@ -25,6 +25,16 @@ _BLOCK_V = 1024
 
 
 @triton.jit
+def _argmax_merge(values, index, vocab, best, best_index):
+    """`(best, best_index)` after one tile: the tile's max and its first index (`vocab` where none), taken only if
+    strictly greater, so an earlier tile keeps a tie, as `torch.argmax` does."""
+    tile_best = tl.max(values, axis=0)
+    tile_index = tl.min(tl.where(values == tile_best, index, vocab), axis=0).to(tl.int64)
+    better = tile_best > best
+    return tl.where(better, tile_best, best), tl.where(better, tile_index, best_index)
+
+
+@triton.jit
 def _greedy_verify_kernel(
     draft_ptr, logits_ptr, accepted_ptr, next_ptr,
     stride_db, stride_dk, stride_lb, stride_lk, stride_lv,
@@ -44,11 +54,7 @@ def _greedy_verify_kernel(
         for start in range(0, vocab, BLOCK_V):
             index = start + offsets
             values = tl.load(base + index * stride_lv, mask=index < limit, other=float("-inf")).to(tl.float32)
-            tile_best = tl.max(values, axis=0)
-            tile_index = tl.min(tl.where(values == tile_best, index, vocab), axis=0).to(tl.int64)
-            better = tile_best > best  # strictly: an earlier tile keeps a tie, as torch.argmax does
-            best_index = tl.where(better, tile_index, best_index)
-            best = tl.where(better, tile_best, best)
+            best, best_index = _argmax_merge(values, index, vocab, best, best_index)
         next_token = tl.where(live, best_index, next_token)
         if slot < num_drafts:
             draft = tl.load(draft_ptr + row * stride_db + slot * stride_dk)
@@ -120,18 +126,10 @@ def _rejection_verify_kernel(
         residual = tl.where(has_draft, tl.maximum(p - q, 0.0), p)
         residual_sum += tl.sum(tl.where(valid, residual, 0.0), axis=0)
         exponential = tl.load(e_base + index * stride_ev, mask=valid, other=1.0)
-        race = tl.where(valid, residual / exponential, -1.0)
-        tile_best = tl.max(race, axis=0)
-        tile_index = tl.min(tl.where(race == tile_best, index, vocab), axis=0).to(tl.int64)
-        better = tile_best > best_residual
-        best_residual_index = tl.where(better, tile_index, best_residual_index)
-        best_residual = tl.where(better, tile_best, best_residual)
-        race = tl.where(valid, p / exponential, -1.0)
-        tile_best = tl.max(race, axis=0)
-        tile_index = tl.min(tl.where(race == tile_best, index, vocab), axis=0).to(tl.int64)
-        better = tile_best > best_p
-        best_p_index = tl.where(better, tile_index, best_p_index)
-        best_p = tl.where(better, tile_best, best_p)
+        # the exponential race argmax(r / e) over the residual, and over p for the case of no residual
+        best_residual, best_residual_index = _argmax_merge(tl.where(valid, residual / exponential, -1.0), index, vocab,
+                                                           best_residual, best_residual_index)
+        best_p, best_p_index = _argmax_merge(tl.where(valid, p / exponential, -1.0), index, vocab, best_p, best_p_index)
     # p == q to rounding leaves no residual; that rejection had probability ~0, and p is its limit
     next_token = tl.where(residual_sum > 0, best_residual_index, best_p_index)
     tl.store(accepted_ptr + row, accepted)
