@@ -195,11 +195,14 @@ def encode_prompt(tokenizer, prompt, chat: bool | None = None) -> list[int]:
     return tokenizer(text)["input_ids"]
 
 
-def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None, verify_length=None, lookup=None):
+def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None, verify_length=None, lookup=None,
+              attention_mask=None):
     """Greedy `generate` of `target` (with DFlash when `drafter` is given, verifying `verify_length`
     drafts per step; copying up to `lookup` tokens from the context, alone without a drafter): the sequences,
-    the call's own `DFlashStats` (None without a drafter) and its wall time."""
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=torch.ones_like(ids))
+    the call's own `DFlashStats` (None without a drafter) and its wall time. `attention_mask`: of a left-padded
+    batch (default: no padding)."""
+    mask = attention_mask if attention_mask is not None else torch.ones_like(ids)
+    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, attention_mask=mask)
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id
         kwargs["pad_token_id"] = eos_token_id if isinstance(eos_token_id, int) else eos_token_id[0]
@@ -394,56 +397,44 @@ def run_batch_bench(target, drafter: DFlashDraftModel, prompt_ids: list[list[int
     """Plain batched greedy `generate` against batched DFlash (full block), per batch size: the prompts in
     consecutive batches of B (left-padded), the two runs alternating their order per batch and repeat (the median
     of `repeats`). Tokens per second count each row's new tokens up to its EOS; `tau` is the mean of the rows'
-    own; `identical` the share of rows whose output equals plain batched greedy's. Returns a JSON-ready dict."""
+    own; `identical` the share of rows whose output equals plain batched greedy's. `pad_token_id` pads the
+    prompts (finished rows are padded with the EOS id, as `_generate` sets it). Returns a JSON-ready dict."""
     import statistics
 
     device = next(target.parameters()).device
-    pad = pad_token_id
-    kwargs = dict(max_new_tokens=max_new_tokens, do_sample=False, pad_token_id=pad)
-    if eos_token_id is not None:
-        kwargs["eos_token_id"] = eos_token_id
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
+    runs = {"plain": {}, "dflash": dict(drafter=drafter)}  # DFlash: verify_length None, the full block
 
     def batches(size):
         for start in range(0, len(prompt_ids), size):
             chunk = prompt_ids[start : start + size]
             width = max(map(len, chunk))
-            ids = torch.tensor([[pad] * (width - len(p)) + p for p in chunk], device=device)
+            ids = torch.tensor([[pad_token_id] * (width - len(p)) + p for p in chunk], device=device)
             mask = torch.tensor([[0] * (width - len(p)) + [1] * len(p) for p in chunk], device=device)
             yield ids, mask
 
-    def new_tokens(sequences, width):
-        counts = []
-        for row in sequences[:, width:].tolist():
-            end = next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
-            counts.append(end)
-        return sum(counts)
-
-    with torch.inference_mode():  # warm-up: the first call of each kind pays one-time costs
-        ids, mask = next(batches(min(batch_sizes)))
-        target.generate(ids, attention_mask=mask, **(kwargs | {"max_new_tokens": 4}))
-        generate(target, ids, attention_mask=mask, assistant_model=drafter, **(kwargs | {"max_new_tokens": 4}))
+    ids, mask = next(batches(min(batch_sizes)))
+    for settings in runs.values():  # warm-up: the first call of each kind pays one-time costs
+        _generate(target, ids, 4, eos_token_id=eos_token_id, attention_mask=mask, **settings)
     results = []
     for size in batch_sizes:
         seconds = {"plain": 0.0, "dflash": 0.0}
         tokens, taus, same, rows = 0, [], 0, 0
         for index, (ids, mask) in enumerate(batches(size)):
-            times = {"plain": [], "dflash": []}
+            times, outputs = {"plain": [], "dflash": []}, {}
             for repeat in range(repeats):
-                for key in ("plain", "dflash") if (index + repeat) % 2 == 0 else ("dflash", "plain"):
-                    start = time.perf_counter()
-                    with torch.inference_mode():
-                        if key == "plain":
-                            plain = target.generate(ids, attention_mask=mask, **kwargs)
-                        else:
-                            out = generate(target, ids, attention_mask=mask, assistant_model=drafter,
-                                           dflash_verify_length=None, return_dict_in_generate=True, **kwargs)
-                    times[key].append(time.perf_counter() - start)
+                for key in runs if (index + repeat) % 2 == 0 else reversed(runs):
+                    sequences, stats, elapsed = _generate(target, ids, max_new_tokens, eos_token_id=eos_token_id,
+                                                          attention_mask=mask, **runs[key])
+                    outputs[key] = (sequences, stats)
+                    times[key].append(elapsed)
             for key in seconds:
                 seconds[key] += statistics.median(times[key])
-            tokens += new_tokens(plain, ids.shape[1])
-            taus += [row.mean_acceptance_length for row in out.dflash_stats.rows] or [out.dflash_stats.mean_acceptance_length]
-            same += sum(torch.equal(a, b) for a, b in zip(out.sequences, plain))
+            (plain, _), (sequences, stats) = outputs["plain"], outputs["dflash"]
+            for row in plain[:, ids.shape[1] :].tolist():  # each row's new tokens, up to its EOS
+                tokens += next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
+            taus += [row.mean_acceptance_length for row in stats.rows] or [stats.mean_acceptance_length]
+            same += sum(torch.equal(a, b) for a, b in zip(sequences, plain))
             rows += ids.shape[0]
         results.append({
             "batch_size": size, "rows": rows, "new_tokens": tokens,

@@ -33,6 +33,23 @@ def test_run_bench_random_drafter_is_lossless():
     json.dumps(result)  # JSON-ready
 
 
+def test_batch_bench_counts_rows_up_to_their_eos():
+    from dflash_hf.evaluation import format_batch_summary, run_batch_bench
+
+    target, drafter = tiny.qwen3_target(), tiny.drafter(block_size=4)
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11], [4, 5], [6, 7, 8, 9]]
+    free = [_script(target, p, 10)[0, len(p):].tolist() for p in prompts]
+    eos = free[0][3]  # row 0 ends at its 4th new token; the others where (if) they generate it
+    expected = sum(next((i + 1 for i, t in enumerate(row) if t == eos), 10) for row in free)
+    result = run_batch_bench(target, drafter, prompts, [1, 3], max_new_tokens=10, eos_token_id=eos)
+    one, three = result["batch_sizes"]
+    assert one["rows"] == three["rows"] == 4  # batches of 3: one of 3 rows and one of 1
+    assert one["new_tokens"] == three["new_tokens"] == expected
+    assert one["identical"] == three["identical"] == 1.0 and one["tau"] >= 1.0
+    assert "    3" in format_batch_summary(result)
+    json.dumps(result)
+
+
 def test_verify_length_sweep_with_oracle():
     target = tiny.llama_target()
     prompt, new = [3, 4, 5], 20

@@ -43,11 +43,13 @@ def check_batch(model: PreTrainedModel, logits_processor, per_token_criteria, st
         raise ValueError(f"DFlash with a batch of prompts does not support {what}; {fix}, or generate one prompt at a "
                          "time.")
 
-    layer_types = set(getattr(model.config.get_text_config(), "layer_types", None) or ())
-    if layer_types - {"full_attention"} or getattr(model.config.get_text_config(), "sliding_window", None) and \
-            getattr(model.config.get_text_config(), "use_sliding_window", True) and not layer_types:
-        refuse(f"{type(model).__name__}'s {sorted(layer_types - {'full_attention'}) or ['sliding_attention']} layers "
-               "(their states and windows count cache slots, which a batch leaves holes in)", "use a full-attention target")
+    text_config = model.config.get_text_config()
+    layer_types = set(getattr(text_config, "layer_types", None) or ())
+    if not layer_types and getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
+        layer_types = {"sliding_attention"}  # one window over every layer (configs without layer_types)
+    if other := sorted(layer_types - {"full_attention"}):
+        refuse(f"{type(model).__name__}'s {other} layers (their states and windows count cache slots, which a batch "
+               "leaves holes in)", "use a full-attention target")
     if streamer is not None:
         refuse("streamers (as plain generate)", "drop the streamer")
     if per_token_criteria:
@@ -96,11 +98,10 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
     outputs = model(**(inputs | overrides))
     scores = logits_processor(input_ids, outputs.logits[:, -1:].float().squeeze(1))[:, None]
     _, anchor = verify(input_ids[:, :0], None, scores, generation_config.do_sample)
-    kept = input_ids.shape[1]  # the slots of the last forward that are now cache context
+    context = _context(outputs, generator, input_ids.shape[1]) if num_drafts else None  # the prompt's slots
     slot_ids = torch.cat([input_ids, anchor[:, None]], dim=-1)
     anchor_position = positions[:, -1] + 1
-    first_read = anchor.tolist()
-    for row, token in zip(rows, first_read):
+    for row, token in zip(rows, anchor.tolist()):
         generated[row].append(token)
     rows, keep = _still_running(rows, generated, eos, budget)
     stats.verify_seconds += time.perf_counter() - start
@@ -110,17 +111,14 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
             index = torch.tensor(keep, device=device)
             cache.batch_select_indices(index)
             generator.cache.batch_select_indices(index.to(generator.device))
-            outputs_hidden = {i: h.index_select(0, index.to(h.device)) for i, h in _hidden(outputs, generator).items()}
             slot_ids, valid, positions, anchor_position = (t.index_select(0, index) for t in (slot_ids, valid, positions,
                                                                                                anchor_position))
-        else:
-            outputs_hidden = _hidden(outputs, generator)
+            if context is not None:
+                context = context.index_select(0, index.to(context.device))
         start = time.perf_counter()
         # 1. The drafter ingests the last forward's kept slots as context and drafts a block for every row.
         if num_drafts:
-            generator.pending_context.append(
-                torch.cat([outputs_hidden[i][:, :kept].to(generator.device) for i in generator.target_layer_ids], dim=-1)
-            )
+            generator.pending_context.append(context)
             draft_kwargs = {"attention_mask": torch.cat([valid, valid.new_ones(valid.shape[0], 1)], dim=-1).long(),
                             "position_ids": torch.cat([positions, anchor_position[:, None]], dim=-1)}
             hidden = generator._draft_block(slot_ids, draft_kwargs)[:, 1 : 1 + num_drafts]
@@ -165,6 +163,7 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
         valid = torch.cat([valid, new_valid], dim=-1)
         positions = torch.cat([positions, step_positions[:, :kept]], dim=-1)
         anchor_position = anchor_position + num_accepted + 1
+        context = _context(outputs, generator, kept) if num_drafts else None
         rows, keep = _still_running(rows, generated, eos, budget)
         now = time.perf_counter()
         stats.draft_seconds += drafted - start
@@ -181,9 +180,11 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
     return DFlashGenerateOutput(sequences=sequences, cache=cache, dflash_stats=stats)
 
 
-def _hidden(outputs, generator) -> dict[int, torch.Tensor]:
-    """The target layers' hidden states the drafter reads, by layer id."""
-    return {i: outputs.hidden_states[i + 1] for i in generator.target_layer_ids}
+def _context(outputs, generator, kept: int) -> torch.Tensor:
+    """The drafter's context features of the first `kept` slots of the target's last forward: the hidden states
+    after its `target_layer_ids`, concatenated, on the drafter's device."""
+    hidden_states = outputs.hidden_states
+    return torch.cat([hidden_states[i + 1][:, :kept].to(generator.device) for i in generator.target_layer_ids], dim=-1)
 
 
 def _still_running(rows: list[int], generated: list[list[int]], eos: frozenset[int], budget: int):
