@@ -6,8 +6,8 @@ and `custom_generate/generate.py`, which transformers runs for
 `target.generate(..., custom_generate=<folder or repo>, trust_remote_code=True)` with no dflash-hf
 installed. That file is not maintained by hand: it is assembled from this package's own decoding
 modules (`targets.py` and `generation/`'s `policy.py`, `lookup.py`, `verify.py`, `stats.py`,
-`candidate_generator.py`, `decoding.py`, `api.py`, in that order, imports merged), so it is the same code the
-package runs.
+`candidate_generator.py`, `decoding.py`, `batched.py`, `api.py`, in that order, imports merged), so it is the same
+code the package runs (the verification kernels only where dflash-hf is installed, else the PyTorch rules).
 """
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ from .modeling_dflash import DFlashDraftModel
 PACKAGE = Path(__file__).resolve().parent
 GENERATE_SOURCES = ("targets.py", "generation/policy.py", "generation/lookup.py", "generation/verify.py",
                     "generation/stats.py", "generation/candidate_generator.py", "generation/decoding.py",
-                    "generation/api.py")
+                    "generation/batched.py", "generation/api.py")
 MIN_TRANSFORMERS = "5.25"
 
 

@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import torch
 
-from ..kernels.loader import resolve_backend
-from ..kernels.ops import verify_kernels
+# Absolute and guarded: this module is also part of the exported custom_generate file (transformers refuses
+# relative imports there and skips guarded ones), which then uses the kernels only where dflash-hf is installed.
+try:
+    from dflash_hf.kernels.loader import resolve_backend
+    from dflash_hf.kernels.ops import verify_kernels
+except ImportError:
+    resolve_backend = verify_kernels = None
 
 
 def greedy_verify(draft_ids: torch.LongTensor, target_logits: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:
@@ -111,7 +116,8 @@ def verify(draft_ids: torch.LongTensor, draft_scores: torch.Tensor | None, targe
     # CPU tensors ask for the kernels only when told to: under `auto` the loader would warn every CPU user that
     # no GPU is there, and the interpreter is for tests of the kernel, not for decoding.
     on_cpu = target_scores.device.type == "cpu"
-    kernels = verify_kernels(target_scores) if not on_cpu or resolve_backend() == "triton" else None
+    wanted = verify_kernels is not None and (not on_cpu or resolve_backend() == "triton")
+    kernels = verify_kernels(target_scores) if wanted else None
     if not do_sample:
         if kernels is not None:
             return kernels.greedy_verify(draft_ids, target_scores)
