@@ -394,16 +394,17 @@ def mean_tau(target, drafter, prompt_ids, max_new_tokens=64, eos_token_id=None) 
 
 def run_batch_bench(target, drafter: DFlashDraftModel, prompt_ids: list[list[int]], batch_sizes: list[int],
                     max_new_tokens: int = 128, pad_token_id: int = 0, repeats: int = 1, eos_token_id=None) -> dict:
-    """Plain batched greedy `generate` against batched DFlash (full block), per batch size: the prompts in
-    consecutive batches of B (left-padded), the two runs alternating their order per batch and repeat (the median
-    of `repeats`). Tokens per second count each row's new tokens up to its EOS; `tau` is the mean of the rows'
-    own; `identical` the share of rows whose output equals plain batched greedy's. `pad_token_id` pads the
+    """Plain batched greedy `generate` against batched DFlash, with the full block and with the default adaptive
+    verify length, per batch size: the prompts in consecutive batches of B (left-padded), the runs rotating their
+    order per batch and repeat (the median of `repeats`). Tokens per second count each row's new tokens up to its EOS; `tau` is the mean of the rows'
+    own (full block); `identical` the share of rows whose output equals plain batched greedy's (both DFlash runs). `pad_token_id` pads the
     prompts (finished rows are padded with the EOS id, as `_generate` sets it). Returns a JSON-ready dict."""
     import statistics
 
     device = next(target.parameters()).device
     eos = {eos_token_id} if isinstance(eos_token_id, int) else set(eos_token_id or ())
-    runs = {"plain": {}, "dflash": dict(drafter=drafter)}  # DFlash: verify_length None, the full block
+    runs = {"plain": {}, "dflash": dict(drafter=drafter),  # verify_length None: the full block
+            "adaptive": dict(drafter=drafter, verify_length="adaptive")}
 
     def batches(size):
         for start in range(0, len(prompt_ids), size):
@@ -418,12 +419,13 @@ def run_batch_bench(target, drafter: DFlashDraftModel, prompt_ids: list[list[int
         _generate(target, ids, 4, eos_token_id=eos_token_id, attention_mask=mask, **settings)
     results = []
     for size in batch_sizes:
-        seconds = {"plain": 0.0, "dflash": 0.0}
+        seconds = dict.fromkeys(runs, 0.0)
         tokens, taus, same, rows = 0, [], 0, 0
         for index, (ids, mask) in enumerate(batches(size)):
-            times, outputs = {"plain": [], "dflash": []}, {}
+            times, outputs = {key: [] for key in runs}, {}
             for repeat in range(repeats):
-                for key in runs if (index + repeat) % 2 == 0 else reversed(runs):
+                order = list(runs)[(index + repeat) % 3 :] + list(runs)[: (index + repeat) % 3]
+                for key in order:
                     sequences, stats, elapsed = _generate(target, ids, max_new_tokens, eos_token_id=eos_token_id,
                                                           attention_mask=mask, **runs[key])
                     outputs[key] = (sequences, stats)
@@ -434,12 +436,14 @@ def run_batch_bench(target, drafter: DFlashDraftModel, prompt_ids: list[list[int
             for row in plain[:, ids.shape[1] :].tolist():  # each row's new tokens, up to its EOS
                 tokens += next((i + 1 for i, token in enumerate(row) if token in eos), len(row))
             taus += [row.mean_acceptance_length for row in stats.rows] or [stats.mean_acceptance_length]
-            same += sum(torch.equal(a, b) for a, b in zip(sequences, plain))
+            same += sum(torch.equal(a, b) and torch.equal(c, b)
+                        for a, c, b in zip(sequences, outputs["adaptive"][0], plain))
             rows += ids.shape[0]
         results.append({
             "batch_size": size, "rows": rows, "new_tokens": tokens,
             "plain_tok_s": tokens / seconds["plain"], "dflash_tok_s": tokens / seconds["dflash"],
             "speedup": seconds["plain"] / seconds["dflash"], "tau": statistics.mean(taus),
+            "adaptive_tok_s": tokens / seconds["adaptive"], "adaptive_speedup": seconds["plain"] / seconds["adaptive"],
             "identical": same / rows,
         })
     return {"batch_sizes": results, "dtype": str(target.dtype), "block_size": drafter.config.block_size,
@@ -448,10 +452,12 @@ def run_batch_bench(target, drafter: DFlashDraftModel, prompt_ids: list[list[int
 
 def format_batch_summary(result: dict) -> str:
     lines = [f"batched greedy, {result['dtype']}, block {result['block_size']}, {result['max_new_tokens']} new tokens",
-             f"{'batch':>5} {'plain tok/s':>11} {'dflash tok/s':>12} {'speedup':>8} {'tau/row':>8} {'identical':>9}"]
+             f"{'batch':>5} {'plain tok/s':>11} {'dflash tok/s':>12} {'speedup':>8} {'tau/row':>8} "
+             f"{'adaptive tok/s':>14} {'speedup':>8} {'identical':>9}"]
     for row in result["batch_sizes"]:
         lines.append(f"{row['batch_size']:>5} {row['plain_tok_s']:>11.1f} {row['dflash_tok_s']:>12.1f} "
-                     f"{row['speedup']:>7.2f}x {row['tau']:>8.2f} {row['identical']:>9.0%}")
+                     f"{row['speedup']:>7.2f}x {row['tau']:>8.2f} {row['adaptive_tok_s']:>14.1f} "
+                     f"{row['adaptive_speedup']:>7.2f}x {row['identical']:>9.0%}")
     return "\n".join(lines)
 
 

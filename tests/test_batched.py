@@ -49,10 +49,11 @@ def test_greedy_rows_equal_plain_batched_and_alone(family, lengths):
     for row, script in enumerate(scripts):  # the premise: plain batched rows are the rows alone
         assert plain[row, ids.shape[1]:].tolist() == script[-NEW_TOKENS - 20 :][:NEW_TOKENS].tolist()
     # row r drafts a wrong token at slot 1 + (step + r) % 8 on two steps of three: ragged acceptance, 0 to 7 drafts
+    # (the whole block verified; the adaptive length is tested below)
     oracle = tiny.drafter(0, cls=tiny.BatchOracleDrafter, block_size=8).arm(
         scripts, target, wrong=lambda row, step: 1 + (step + row) % 8 if (step + row) % 3 else None)
     out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                          assistant_model=oracle, return_dict_in_generate=True)
+                          assistant_model=oracle, return_dict_in_generate=True, dflash_verify_length=None)
     assert torch.equal(out.sequences, plain)
     lengths_seen = {n for row in out.dflash_stats.rows for n in row.acceptance_lengths}
     assert min(lengths_seen) <= 2 and max(lengths_seen) >= 6  # rows rejected early and accepted most of a block
@@ -60,6 +61,31 @@ def test_greedy_rows_equal_plain_batched_and_alone(family, lengths):
     random_drafter = tiny.drafter(1, block_size=4)
     assert torch.equal(target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                                        assistant_model=random_drafter), plain)
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def test_adaptive_verify_length_of_a_batch(family):
+    """The default verify length of a batch is one for all rows, from their pooled acceptance: a drafter whose
+    drafts are all right keeps the whole block; one whose drafts are always wrong soon leaves the drafter out
+    (plain steps, with a probe now and then). Either way every row is its own greedy output."""
+    target = _target(family)
+    ids, mask = _batch((5, 12, 8, 3, 9, 6, 11, 7))
+    new_tokens = NEW_TOKENS
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    scripts = _scripts(target, ids, mask, new_tokens)
+    for row, script in enumerate(scripts):  # the oracle's premise: plain batched rows are the rows alone
+        assert plain[row, ids.shape[1]:].tolist() == script[-new_tokens - 20 :][:new_tokens].tolist()
+    for wrong, expect in ((lambda row, step: None, "whole blocks"), (lambda row, step: 1, "plain steps")):
+        oracle = tiny.drafter(0, cls=tiny.BatchOracleDrafter, block_size=8).arm(scripts, target, wrong=wrong)
+        with tiny.ForwardCounter(oracle) as drafted, tiny.ForwardCounter(target) as forwards:
+            out = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False,
+                                  assistant_model=oracle, return_dict_in_generate=True)
+        assert torch.equal(out.sequences, plain), expect
+        if expect == "whole blocks":  # every step drafts; after the first (priced short: 8 rows) the whole block
+            lengths = out.dflash_stats.rows[0].verify_lengths
+            assert drafted.count >= forwards.count - 2 and forwards.count <= 7 and set(lengths[1:-1]) == {7}, lengths
+        else:  # the first step drafts the whole block, then plain steps; at most a few probes
+            assert forwards.count >= new_tokens - 3 and drafted.count <= 5, (forwards.count, drafted.count)
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -160,7 +186,6 @@ class BatchStreamer(BaseStreamer):
 
 
 @pytest.mark.parametrize("case, match", [
-    ("gemma4", "sliding_attention"),
     ("stop strings", "StopStringCriteria"),
     ("streamer", "streamers"),
     ("repetition penalty", "RepetitionPenaltyLogitsProcessor"),
@@ -168,7 +193,7 @@ class BatchStreamer(BaseStreamer):
     ("scores", "output_scores"),
 ])
 def test_what_a_batch_refuses_names_the_fix(case, match):
-    target = _target("gemma4" if case == "gemma4" else "qwen3")
+    target = _target("qwen3")
     ids, mask = _batch((4, 6))
     kwargs = {
         "stop strings": dict(stop_strings=["ab"], tokenizer=tiny.tokenizer()),
@@ -191,3 +216,46 @@ def test_hybrid_target_in_a_batch_is_refused():
     with pytest.raises(ValueError, match="linear_attention"):
         target.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
                                  assistant_model=tiny.drafter(0))
+
+
+def _sliding_targets():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    torch.manual_seed(0)
+    mistral = MistralForCausalLM(MistralConfig(**tiny._common(sliding_window=6))).eval()
+    return {"gemma4": lambda: tiny.gemma4_target(), "gemma4-kv-shared": lambda: tiny.gemma4_target(num_kv_shared_layers=2),
+            "qwen3-window": lambda: tiny.qwen3_target(use_sliding_window=True, sliding_window=5, max_window_layers=2),
+            "mistral": lambda: mistral}
+
+
+@pytest.mark.parametrize("name", ["gemma4", "gemma4-kv-shared", "qwen3-window", "mistral"])
+@pytest.mark.parametrize("lengths", [(9, 4), (5, 12, 8), (3, 9, 6, 11, 7, 10, 4, 8)])
+def test_sliding_window_rows_equal_plain_batched_and_alone(name, lengths):
+    """Windows of 5-8 tokens, 30 new tokens: every row's window slides past its prompt while ragged acceptance
+    leaves holes; each row still sees exactly the window it sees alone."""
+    target = dflash_hf.enable(_sliding_targets()[name]())
+    target.generation_config.pad_token_id = 0
+    ids, mask = _batch(lengths)
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    scripts = _scripts(target, ids, mask, NEW_TOKENS)
+    for row, script in enumerate(scripts):
+        assert plain[row, ids.shape[1]:].tolist() == script[-NEW_TOKENS - 20 :][:NEW_TOKENS].tolist()
+    oracle = tiny.drafter(0, cls=tiny.BatchOracleDrafter, block_size=8).arm(
+        scripts, target, wrong=lambda row, step: 1 + (step + row) % 8 if (step + row) % 3 else None)
+    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                          assistant_model=oracle, return_dict_in_generate=True, dflash_verify_length=None)
+    assert torch.equal(out.sequences, plain)
+    lengths_seen = {n for row in out.dflash_stats.rows for n in row.acceptance_lengths}
+    assert min(lengths_seen) <= 2 and max(lengths_seen) >= 6
+    oracle.arm(scripts, target, wrong=lambda row, step: 1 + (step + row) % 8 if (step + row) % 3 else None)
+    assert torch.equal(target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       assistant_model=oracle), plain)  # the default: adaptive verify length
+
+
+def test_sliding_window_target_with_flash_attention_in_a_batch_is_refused():
+    target = dflash_hf.enable(tiny.gemma4_target())
+    target.config._attn_implementation = "flash_attention_2"  # refused before any forward, so no kernel is needed
+    ids, mask = _batch((4, 6))
+    with pytest.raises(ValueError, match='attn_implementation="sdpa"'):
+        target.generate(ids, attention_mask=mask, max_new_tokens=4, do_sample=False, assistant_model=tiny.drafter(0),
+                        pad_token_id=0)

@@ -188,9 +188,21 @@ def test_a_batch_reads_no_more_per_step_than_plain_batched_generate(counted, do_
     counter = counted(target)
     with counter:
         out = dflash_hf.generate(target, ids, max_new_tokens=16, assistant_model=tiny.drafter(0, block_size=4),
-                                 return_dict_in_generate=True, **kwargs)
+                                 return_dict_in_generate=True, dflash_verify_length=None, **kwargs)
     steps = [len(row.acceptance_lengths) for row in out.dflash_stats.rows]
     assert len(counter.reads) == max(steps) + 2 and min(steps) < max(steps)  # (a row finished early)
     assert counter.reads[0] <= plain.reads[0] + 1, counter.over("reads", -1, first=0)
-    assert max(counter.reads[2:]) <= min(plain.reads[2:]) == 2, (counter.reads, plain.reads, counter.over("reads", 1))
+    # (the last interval also reads the pad id for the output, and a last step with room for one token is a plain
+    # step, whose forward checks its mask as plain decoding's does)
+    assert max(counter.reads[2:-1]) <= min(plain.reads[2:]) == 2, (counter.reads, plain.reads, counter.over("reads", 1))
+    assert counter.reads[-1] <= 3, counter.over("reads", 2, first=len(counter.reads) - 1)
     assert max(counter.uploads[2:], default=0) <= 1 and sum(counter.uploads[2:]) <= len(set(steps)), counter.uploads
+    # the default, adaptive verify length: a plain step reads its target forward's mask check and its tokens, a
+    # drafted one the drafter's mask check and its tokens (an interval runs from one target forward to the next, so
+    # the one holding a plain step and the next step's drafter has three): two per step (the last interval holds
+    # the output's reads too)
+    adaptive = counted(target)
+    with adaptive:
+        dflash_hf.generate(target, ids, max_new_tokens=16, assistant_model=tiny.drafter(0, block_size=4), **kwargs)
+    steps = adaptive.reads[2:-1]
+    assert sum(steps) <= 2 * len(steps) and max(steps) <= 3, (adaptive.reads, adaptive.over("reads", 2, first=2))

@@ -87,14 +87,12 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
     if generation_config.prompt_lookup_num_tokens is not None:  # with a DFlash drafter: copy where it can
         settings["lookup"] = generation_config.prompt_lookup_num_tokens
     check_settings(settings["proposal"], settings["verify_length"], settings["lookup"])
-    if input_ids.shape[0] > 1:  # a batch verifies the same number of drafts in every row (generation/batched.py)
+    if input_ids.shape[0] > 1:  # a batch verifies as many drafts in every row, never a copy (generation/batched.py)
         if settings["lookup"] not in (ADAPTIVE, None):
             raise ValueError(f"DFlash with a batch of prompts does not copy from the context (lookup="
                              f"{settings['lookup']!r}); drop prompt_lookup_num_tokens / dflash_lookup, or generate one "
                              "prompt at a time.")
         settings["lookup"] = None
-        if settings["verify_length"] == ADAPTIVE:
-            settings["verify_length"] = None
     check_compatible(model, drafter)
     unsupported = {
         "num_beams": "beam search", "num_return_sequences": "several sequences per prompt",

@@ -10,23 +10,35 @@ output (or its own sampling distribution). Nothing is copied; re-alignment moves
 2510.22876 measured it at up to 40 % of compute). The holes cost attention over at most `k` dead slots a row
 per step, and a row that finishes (EOS, `max_length`) leaves the batch: its rows of both caches are dropped.
 
-Every row verifies the same number of drafts, so that one target forward covers them: the block's `k =
-block_size - 1`, or a fixed `verify_length`; the adaptive verify length and copies from the context decide per
-sequence and are off in batches. What holes cannot serve is refused up front (`check_batch`): linear-attention
-and sliding-window targets (a recurrent state or a window counts slots, not the row's tokens), logits
-processors that read the ids (they would read the holes), streamers, stop strings and custom stopping criteria.
+Sliding-window layers (Gemma-4's) count their window in slots, which holes would shrink: in a batch their
+cache keeps every slot, as a full-attention layer's does, and their mask is built here from each row's positions
+(a query sees the row's tokens less than `sliding_window` positions back), so a row sees the window it sees
+alone; the price is that these layers attend over (and store) the whole context instead of the window.
+
+Every row verifies the same number of drafts, so that one target forward covers them: a fixed `verify_length`
+(or the whole block), or by default the adaptive length (`policy.AdaptiveVerifyLength`) of the batch: one length,
+the one with the most expected tokens per second for the batch, from the rows' acceptance pooled into one set of
+statistics and the batch's own step costs (a batch's forward grows with rows x tokens: on a CPU, where a verified
+draft costs B tokens, it falls back to plain steps as the batch grows). Like batch 1's, it is chosen before the
+drafter runs, from host statistics only, which keeps sampling exact; the per-slot confidence cut and copies from
+the context are per sequence and off in batches. What holes cannot serve is refused up front (`check_batch`): linear-attention
+layers (a recurrent state counts slots, not the row's tokens) and flash attention with a sliding window (it
+applies the window by slots itself), logits processors that read the ids (they would read the holes),
+streamers, stop strings and custom stopping criteria.
 """
 
 import time
 
 import torch
-from transformers import PreTrainedModel
+from transformers import DynamicCache, PreTrainedModel
+from transformers.masking_utils import create_causal_mask
 from transformers.generation.logits_process import (
     EpsilonLogitsWarper, EtaLogitsWarper, MinPLogitsWarper, TemperatureLogitsWarper, TopHLogitsWarper,
     TopKLogitsWarper, TopPLogitsWarper, TypicalLogitsWarper,
 )
 
 from .candidate_generator import DFlashCandidateGenerator
+from .policy import PER_DRAFT, StepCosts
 from .stats import DFlashGenerateOutput, DFlashStats
 from .verify import verify
 
@@ -43,13 +55,14 @@ def check_batch(model: PreTrainedModel, logits_processor, per_token_criteria, st
         raise ValueError(f"DFlash with a batch of prompts does not support {what}; {fix}, or generate one prompt at a "
                          "time.")
 
-    text_config = model.config.get_text_config()
-    layer_types = set(getattr(text_config, "layer_types", None) or ())
-    if not layer_types and getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
-        layer_types = {"sliding_attention"}  # one window over every layer (configs without layer_types)
-    if other := sorted(layer_types - {"full_attention"}):
-        refuse(f"{type(model).__name__}'s {other} layers (their states and windows count cache slots, which a batch "
-               "leaves holes in)", "use a full-attention target")
+    layer_types = _layer_types(model)
+    if other := sorted(layer_types - {"full_attention", "sliding_attention"}):
+        refuse(f"{type(model).__name__}'s {other} layers (their states count cache slots, which a batch leaves holes "
+               "in)", "use a target with full or sliding-window attention")
+    implementation = model.config.get_text_config()._attn_implementation or ""
+    if "sliding_attention" in layer_types and "flash" in implementation:
+        refuse(f"{implementation} on a sliding-window target (it counts the window in cache slots, which a batch "
+               "leaves holes in)", 'load the target with attn_implementation="sdpa"')
     if streamer is not None:
         refuse("streamers (as plain generate)", "drop the streamer")
     if per_token_criteria:
@@ -75,7 +88,9 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
     stats = stats if stats is not None else DFlashStats()
     stats.rows = [DFlashStats() for _ in range(input_ids.shape[0])]
     cache, device = model_kwargs["cache"], input_ids.device
-    num_drafts = generator.max_drafts
+    drafting, policy = generator.max_drafts > 0, generator.policy
+    if policy is not None:  # a verified draft adds a token per row to the target's forward
+        policy.costs = StepCosts(policy.max_drafts, per_draft=PER_DRAFT * input_ids.shape[0])
     budget = generation_config.max_length - input_ids.shape[1]  # new tokens per row, as plain generate counts them
     generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
     rows = list(range(input_ids.shape[0]))  # the original index of each row still in the batch
@@ -89,16 +104,22 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
         positions = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
     generator.padded = True  # the drafter always takes the mask: its holes are padding to it
     overrides = generator.model_kwargs_overrides
+    window = _sliding_window(model)
+    if window is not None:  # every slot kept, the window applied by positions (module docstring)
+        cache = model_kwargs["cache"] = DynamicCache()
 
     start = time.perf_counter()
     inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True,
                                                  **(model_kwargs | {"attention_mask": valid.long(), "position_ids": positions}))
     if "logits_to_keep" in inputs:
         inputs["logits_to_keep"] = 1
+    if window is not None:
+        inputs["attention_mask"] = _window_masks(model, window, valid, positions, cache, input_ids.shape[1])
     outputs = model(**(inputs | overrides))
     scores = logits_processor(input_ids, outputs.logits[:, -1:].float().squeeze(1))[:, None]
     _, anchor = verify(input_ids[:, :0], None, scores, generation_config.do_sample)
-    context = _context(outputs, generator, input_ids.shape[1]) if num_drafts else None  # the prompt's slots
+    if drafting:  # the prompt's slots: the drafter's first context
+        generator.pending_context.append(_context(outputs, generator, input_ids.shape[1]))
     slot_ids = torch.cat([input_ids, anchor[:, None]], dim=-1)
     anchor_position = positions[:, -1] + 1
     for row, token in zip(rows, anchor.tolist()):
@@ -113,12 +134,15 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
             generator.cache.batch_select_indices(index.to(generator.device))
             slot_ids, valid, positions, anchor_position = (t.index_select(0, index) for t in (slot_ids, valid, positions,
                                                                                                anchor_position))
-            if context is not None:
-                context = context.index_select(0, index.to(context.device))
+            generator.pending_context = [c.index_select(0, index.to(c.device)) for c in generator.pending_context]
         start = time.perf_counter()
-        # 1. The drafter ingests the last forward's kept slots as context and drafts a block for every row.
+        # 1. The verify length, from host statistics; the drafter ingests the context of the forwards since its last
+        # one and drafts a block for every row (a plain step skips it).
+        room = budget - min(len(generated[row]) for row in rows) - 1  # tokens the longest-running row can still take
+        num_drafts = min(generator.max_drafts, room)
+        if policy is not None and num_drafts > 0:
+            num_drafts = policy.choose(num_drafts)
         if num_drafts:
-            generator.pending_context.append(context)
             draft_kwargs = {"attention_mask": torch.cat([valid, valid.new_ones(valid.shape[0], 1)], dim=-1).long(),
                             "position_ids": torch.cat([positions, anchor_position[:, None]], dim=-1)}
             hidden = generator._draft_block(slot_ids, draft_kwargs)[:, 1 : 1 + num_drafts]
@@ -137,6 +161,9 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
                                                      **forward_kwargs)
         if "logits_to_keep" in inputs:
             inputs["logits_to_keep"] = width
+        if window is not None:
+            inputs["attention_mask"] = _window_masks(model, window, forward_kwargs["attention_mask"].bool(),
+                                                     forward_kwargs["position_ids"], cache, width)
         outputs = model(**(inputs | overrides))
         logits = outputs.logits[:, -width:].float()
         processed = logits.clone()
@@ -154,6 +181,9 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
             generated[row] += tokens
             stats.rows[row].record(num_drafts, len(tokens) - 1)
             stats.record(num_drafts, len(tokens) - 1)
+        now = time.perf_counter()
+        if policy is not None:
+            policy.observe(num_drafts, accepted, now - start)
         # 4. Commit: the caches keep the slots some row still needs; the rest of each row's are holes.
         kept = 1 + max(accepted)
         if kept < width:
@@ -163,9 +193,9 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
         valid = torch.cat([valid, new_valid], dim=-1)
         positions = torch.cat([positions, step_positions[:, :kept]], dim=-1)
         anchor_position = anchor_position + num_accepted + 1
-        context = _context(outputs, generator, kept) if num_drafts else None
+        if drafting:
+            generator.pending_context.append(_context(outputs, generator, kept))
         rows, keep = _still_running(rows, generated, eos, budget)
-        now = time.perf_counter()
         stats.draft_seconds += drafted - start
         stats.verify_seconds += now - drafted
 
@@ -178,6 +208,44 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
     if not generation_config.return_dict_in_generate:
         return sequences
     return DFlashGenerateOutput(sequences=sequences, cache=cache, dflash_stats=stats)
+
+
+def _layer_types(model: PreTrainedModel) -> set[str]:
+    text_config = model.config.get_text_config()
+    layer_types = set(getattr(text_config, "layer_types", None) or ())
+    if not layer_types and getattr(text_config, "sliding_window", None) and getattr(text_config, "use_sliding_window", True):
+        layer_types = {"sliding_attention"}  # one window over every layer (configs without layer_types)
+    return layer_types
+
+
+def _sliding_window(model: PreTrainedModel) -> int | None:
+    """The target's sliding window when it has sliding-window layers, else None."""
+    if "sliding_attention" not in _layer_types(model):
+        return None
+    return model.config.get_text_config().sliding_window
+
+
+def _window_masks(model: PreTrainedModel, window: int, valid: torch.Tensor, positions: torch.Tensor, cache,
+                  query_length: int):
+    """The target's masks per layer type for a forward over the last `query_length` of the slots that `valid` and
+    `positions` (batch, slots) describe: causal over the row's valid slots, and for sliding layers only the slots
+    less than `window` of the row's positions back (transformers' own window counts slots, which holes inflate).
+    Built by transformers' `create_causal_mask`, in the format the target's attention takes: a dict by layer type
+    (what models with `layer_types` take), or the sliding mask alone for a window over every layer (Mistral's
+    4D mask, which its mask functions pass through)."""
+    config = model.config.get_text_config()
+
+    def within_window(batch_idx, head_idx, q_idx, kv_idx):  # indices are slots; compare the rows' positions
+        return positions[batch_idx, q_idx] - positions[batch_idx, kv_idx] < window
+
+    # create_causal_mask reads only the batch size, query length, dtype and device of its `inputs_embeds`
+    queries = torch.empty(valid.shape[0], query_length, 0, dtype=model.dtype, device=valid.device)
+    arguments = dict(config=config, inputs_embeds=queries, attention_mask=valid, cache=cache,
+                     position_ids=positions[:, -query_length:])
+    sliding = create_causal_mask(**arguments, and_mask_function=within_window)
+    if "full_attention" not in _layer_types(model):
+        return sliding
+    return {"full_attention": create_causal_mask(**arguments), "sliding_attention": sliding}
 
 
 def _context(outputs, generator, kept: int) -> torch.Tensor:

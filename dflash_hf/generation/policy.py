@@ -26,6 +26,9 @@ def matching_prefix(proposed: list[int], truth: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(proposed, truth)) if a != b), min(len(proposed), len(truth)))
 
 
+PER_DRAFT = 0.05  # prior extra cost of a verified draft, in plain steps (StepCosts)
+
+
 class StepCosts:
     """Seconds of a decoding step by the number of drafts it verified, learnt online.
 
@@ -45,7 +48,7 @@ class StepCosts:
             prices this one's lengths until it has seen a step of its own.
     """
 
-    def __init__(self, max_drafts: int, draft: float = 0.3, per_draft: float = 0.05, memory: float = 8.0,
+    def __init__(self, max_drafts: int, draft: float = 0.3, per_draft: float = PER_DRAFT, memory: float = 8.0,
                  fallback: "StepCosts | None" = None):
         self.prior = [1.0] + [1.0 + draft + per_draft * n for n in range(1, max_drafts + 1)]
         self.weight = 1.0 / memory
@@ -201,19 +204,24 @@ class AdaptiveVerifyLength:
         if self.probing:
             self.probing, self.plain_steps = False, self.probe_interval
 
-    def observe(self, num_drafts: int, num_accepted: int, seconds: float | None = None) -> None:
+    def observe(self, num_drafts: int, num_accepted: int | list[int], seconds: float | None = None) -> None:
         """A step verified `num_drafts` drafts, accepted the first `num_accepted` and took `seconds`
-        (called for plain steps too: statistics fade with every step, drafted or not)."""
+        (called for plain steps too: statistics fade with every step, drafted or not). A batch's step gives one
+        `num_accepted` per row: the rows' outcomes are pooled into the same statistics."""
         if seconds:
             self.costs.observe(num_drafts, seconds)
+        rows = num_accepted if isinstance(num_accepted, list) else [num_accepted]
         self.accepted = [x * self.decay for x in self.accepted]
         self.seen = [x * self.decay for x in self.seen]
-        for k in range(min(num_accepted, num_drafts)):
-            self.accepted[k] += 1.0
-            self.seen[k] += 1.0
-        if num_accepted < num_drafts:
-            self.seen[num_accepted] += 1.0
-        if len(self.verified_confidences) == num_drafts:  # drafts chosen by `cut`: how right were its probabilities
+        for accepted in rows:
+            for k in range(min(accepted, num_drafts)):
+                self.accepted[k] += 1.0
+                self.seen[k] += 1.0
+            if accepted < num_drafts:
+                self.seen[accepted] += 1.0
+        num_accepted = max(rows)
+        # drafts chosen by `cut` (one row): how right were its probabilities
+        if len(self.verified_confidences) == num_drafts and len(rows) == 1:
             self.confidence_gap *= self.decay
             self.confidence_weight *= self.decay
             for k, confidence in enumerate(self.verified_confidences[: num_accepted + 1]):  # up to the first rejection
@@ -365,4 +373,4 @@ class StepPlanner:
             self.copies.score_passed_over(committed[self.copies.passed_over[0][0] :])
 
 
-__all__ = ["AdaptiveVerifyLength", "CopyPolicy", "Plan", "StepCosts", "StepPlanner", "matching_prefix"]
+__all__ = ["PER_DRAFT", "AdaptiveVerifyLength", "CopyPolicy", "Plan", "StepCosts", "StepPlanner", "matching_prefix"]
