@@ -25,7 +25,7 @@ def _batch(lengths, seed=0):
 
 
 def _target(family):
-    target = dflash_hf.enable(tiny.TARGETS[family]())
+    target = dflash_hf.enable({**tiny.TARGETS, **_sliding_targets()}[family]())
     target.generation_config.pad_token_id = 0
     return target
 
@@ -39,15 +39,24 @@ def _scripts(target, ids, mask, new_tokens):
     return scripts
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+def _plain_and_scripts(target, ids, mask, new_tokens=NEW_TOKENS):
+    """Plain batched greedy output and each row's continuation alone, asserting the oracle's premise: the plain
+    batched rows are the rows alone."""
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
+    scripts = _scripts(target, ids, mask, new_tokens)
+    for row, script in enumerate(scripts):
+        assert plain[row, ids.shape[1]:].tolist() == script[-new_tokens - 20 :][:new_tokens].tolist()
+    return plain, scripts
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma4", "gemma4-kv-shared", "qwen3-window", "mistral"])
 @pytest.mark.parametrize("lengths", [(9, 4), (5, 12, 8), (3, 9, 6, 11, 7, 10, 4, 8)])
 def test_greedy_rows_equal_plain_batched_and_alone(family, lengths):
+    """Also on sliding-window targets (windows of 5-8 tokens, 30 new tokens: every row's window slides past its
+    prompt while ragged acceptance leaves holes; each row still sees exactly the window it sees alone)."""
     target = _target(family)
     ids, mask = _batch(lengths)
-    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-    scripts = _scripts(target, ids, mask, NEW_TOKENS)
-    for row, script in enumerate(scripts):  # the premise: plain batched rows are the rows alone
-        assert plain[row, ids.shape[1]:].tolist() == script[-NEW_TOKENS - 20 :][:NEW_TOKENS].tolist()
+    plain, scripts = _plain_and_scripts(target, ids, mask)
     # row r drafts a wrong token at slot 1 + (step + r) % 8 on two steps of three: ragged acceptance, 0 to 7 drafts
     # (the whole block verified; the adaptive length is tested below)
     oracle = tiny.drafter(0, cls=tiny.BatchOracleDrafter, block_size=8).arm(
@@ -61,6 +70,9 @@ def test_greedy_rows_equal_plain_batched_and_alone(family, lengths):
     random_drafter = tiny.drafter(1, block_size=4)
     assert torch.equal(target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
                                        assistant_model=random_drafter), plain)
+    oracle.arm(scripts, target, wrong=lambda row, step: 1 + (step + row) % 8 if (step + row) % 3 else None)
+    assert torch.equal(target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                                       assistant_model=oracle), plain)  # the default: adaptive verify length
 
 
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
@@ -71,10 +83,7 @@ def test_adaptive_verify_length_of_a_batch(family):
     target = _target(family)
     ids, mask = _batch((5, 12, 8, 3, 9, 6, 11, 7))
     new_tokens = NEW_TOKENS
-    plain = target.generate(ids, attention_mask=mask, max_new_tokens=new_tokens, do_sample=False)
-    scripts = _scripts(target, ids, mask, new_tokens)
-    for row, script in enumerate(scripts):  # the oracle's premise: plain batched rows are the rows alone
-        assert plain[row, ids.shape[1]:].tolist() == script[-new_tokens - 20 :][:new_tokens].tolist()
+    plain, scripts = _plain_and_scripts(target, ids, mask)
     for wrong, expect in ((lambda row, step: None, "whole blocks"), (lambda row, step: 1, "plain steps")):
         oracle = tiny.drafter(0, cls=tiny.BatchOracleDrafter, block_size=8).arm(scripts, target, wrong=wrong)
         with tiny.ForwardCounter(oracle) as drafted, tiny.ForwardCounter(target) as forwards:
@@ -218,38 +227,19 @@ def test_hybrid_target_in_a_batch_is_refused():
                                  assistant_model=tiny.drafter(0))
 
 
-def _sliding_targets():
+def _mistral(seed=0):
     from transformers import MistralConfig, MistralForCausalLM
 
-    torch.manual_seed(0)
-    mistral = MistralForCausalLM(MistralConfig(**tiny._common(sliding_window=6))).eval()
-    return {"gemma4": lambda: tiny.gemma4_target(), "gemma4-kv-shared": lambda: tiny.gemma4_target(num_kv_shared_layers=2),
+    torch.manual_seed(seed)
+    return MistralForCausalLM(MistralConfig(**tiny._common(sliding_window=6))).eval()
+
+
+def _sliding_targets():
+    """Targets with sliding-window layers: Gemma-4 (alternating, also with shared keys/values), Qwen3 windows on
+    its upper layers, Mistral (one window over every layer, no `layer_types`)."""
+    return {"gemma4": tiny.gemma4_target, "gemma4-kv-shared": lambda: tiny.gemma4_target(num_kv_shared_layers=2),
             "qwen3-window": lambda: tiny.qwen3_target(use_sliding_window=True, sliding_window=5, max_window_layers=2),
-            "mistral": lambda: mistral}
-
-
-@pytest.mark.parametrize("name", ["gemma4", "gemma4-kv-shared", "qwen3-window", "mistral"])
-@pytest.mark.parametrize("lengths", [(9, 4), (5, 12, 8), (3, 9, 6, 11, 7, 10, 4, 8)])
-def test_sliding_window_rows_equal_plain_batched_and_alone(name, lengths):
-    """Windows of 5-8 tokens, 30 new tokens: every row's window slides past its prompt while ragged acceptance
-    leaves holes; each row still sees exactly the window it sees alone."""
-    target = dflash_hf.enable(_sliding_targets()[name]())
-    target.generation_config.pad_token_id = 0
-    ids, mask = _batch(lengths)
-    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
-    scripts = _scripts(target, ids, mask, NEW_TOKENS)
-    for row, script in enumerate(scripts):
-        assert plain[row, ids.shape[1]:].tolist() == script[-NEW_TOKENS - 20 :][:NEW_TOKENS].tolist()
-    oracle = tiny.drafter(0, cls=tiny.BatchOracleDrafter, block_size=8).arm(
-        scripts, target, wrong=lambda row, step: 1 + (step + row) % 8 if (step + row) % 3 else None)
-    out = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                          assistant_model=oracle, return_dict_in_generate=True, dflash_verify_length=None)
-    assert torch.equal(out.sequences, plain)
-    lengths_seen = {n for row in out.dflash_stats.rows for n in row.acceptance_lengths}
-    assert min(lengths_seen) <= 2 and max(lengths_seen) >= 6
-    oracle.arm(scripts, target, wrong=lambda row, step: 1 + (step + row) % 8 if (step + row) % 3 else None)
-    assert torch.equal(target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
-                                       assistant_model=oracle), plain)  # the default: adaptive verify length
+            "mistral": _mistral}
 
 
 def test_sliding_window_target_with_flash_attention_in_a_batch_is_refused():
