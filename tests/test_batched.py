@@ -97,7 +97,7 @@ def test_adaptive_verify_length_of_a_batch(family):
             assert forwards.count >= new_tokens - 3 and drafted.count <= 5, (forwards.count, drafted.count)
 
 
-@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("family", ["qwen3", "llama", "gemma4"])
 def test_rows_finish_at_their_own_eos(family):
     target = _target(family)
     ids, mask = _batch((6, 10, 8))
