@@ -128,7 +128,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--output", default="dflash-bench.json", help="JSON results (a .png is written next to it)")
     parser.add_argument("--no-progress", action="store_true")
     parser.add_argument("--batch-size", type=int, nargs="+", default=None, metavar="B",
-                        help="instead: plain batched generate against batched DFlash (full block) at each batch size B")
+                        help="instead: plain batched generate against batched DFlash (full block, and the default "
+                             "adaptive verify length) at each batch size B")
 
 
 def run_bench(args: argparse.Namespace) -> int:

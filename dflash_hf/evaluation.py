@@ -206,6 +206,8 @@ def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None, veri
     if eos_token_id is not None:
         kwargs["eos_token_id"] = eos_token_id
         kwargs["pad_token_id"] = eos_token_id if isinstance(eos_token_id, int) else eos_token_id[0]
+    if ids.is_cuda:  # time the work, not its launch
+        torch.cuda.synchronize(ids.device)
     start = time.perf_counter()
     with torch.inference_mode():
         if drafter is None:
@@ -215,6 +217,8 @@ def _generate(target, ids, max_new_tokens, drafter=None, eos_token_id=None, veri
         else:  # the lookup setting explicitly: None runs DFlash alone, whatever the default
             output = generate(target, ids, assistant_model=drafter, dflash_verify_length=verify_length,
                               dflash_lookup=lookup, return_dict_in_generate=True, **kwargs)
+    if ids.is_cuda:
+        torch.cuda.synchronize(ids.device)
     seconds = time.perf_counter() - start
     if drafter is None:
         return output, None, seconds

@@ -2,11 +2,12 @@
 # The checks that need a GPU, in one run of at most ~9.5 minutes (the device tool lends a GPU for
 # 15 minutes a session, 10 minutes a command): the kernel tests on CUDA, where a step's time goes on a
 # random Qwen3-8B-shaped target in bf16 (forwards vs the rest, syncs per step, eager vs compiled),
-# DFlash greedy equality on CUDA with tiny in-process targets, and kernel-vs-PyTorch timings.
+# DFlash greedy equality on CUDA with tiny in-process targets, kernel-vs-PyTorch timings, and the batch table.
 # Results go to $OUT (default ./device-check).
 #
 #     bash scripts/device_check.sh            # from the repository root, on a machine with CUDA
 #     python benchmarks/device_step.py --shape tiny --device cpu --compile-layers 0   # its step part, dry run
+#     python benchmarks/device_batch.py --shape tiny --device cpu                       # its batch part, dry run
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-device-check}"
@@ -21,12 +22,12 @@ print("torch", torch.__version__, "transformers", transformers.__version__,
 PY
 
 # 1. The kernel against its reference per dtype, and the drafter/generate paths through it, on CUDA.
-timeout 150 python -m pytest -q tests/test_kernels.py tests/test_kernel_loading.py -p no:cacheprovider \
+timeout 130 python -m pytest -q tests/test_kernels.py tests/test_kernel_loading.py -p no:cacheprovider \
     --junitxml="$OUT/kernel-tests.xml" 2>&1 | tee "$OUT/kernel-tests.txt" || status=1
 
 # 2. A step on an 8B-shaped target, bf16: the share outside the forwards (goal <= 5 %), syncs per step,
 #    eager (36 layers) and eager vs compiled static (4 layers, so that compiling fits the minutes).
-timeout 200 python benchmarks/device_step.py --json "$OUT/step.json" 2>&1 | tee "$OUT/step.txt" || status=1
+timeout 170 python benchmarks/device_step.py --json "$OUT/step.json" 2>&1 | tee "$OUT/step.txt" || status=1
 
 # 3. Greedy DFlash equals plain greedy generate on CUDA, tiny targets of each family, fp32 and bf16.
 timeout 90 python - <<'PY' 2>&1 | tee "$OUT/greedy-equality.txt" || status=1
@@ -55,7 +56,11 @@ sys.exit(1 if failures else 0)
 PY
 
 # 4. Kernel vs PyTorch timings at the published drafters' shapes (block attention and verification).
-timeout 120 python benchmarks/kernel_timings.py --json "$OUT/kernel_timings.json" 2>&1 | tee "$OUT/kernel-timings.txt" || status=1
+timeout 100 python benchmarks/kernel_timings.py --json "$OUT/kernel_timings.json" 2>&1 | tee "$OUT/kernel-timings.txt" || status=1
+
+# 5. Batches on the 8B-shaped target: plain batched generate vs DFlash (full block, adaptive) at B = 1, 4, 8, 16,
+#    and the tau per row each batch size needs for DFlash to pay (last: a cut-off run keeps sections 1-4).
+timeout 100 python benchmarks/device_batch.py --json "$OUT/batch.json" 2>&1 | tee "$OUT/batch.txt" || status=1
 
 echo "device check finished with status $status; results in $OUT"
 exit $status
