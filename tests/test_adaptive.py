@@ -27,7 +27,7 @@ def fixed_costs(monkeypatch):
 
     def use(**kwargs):
         monkeypatch.setattr(candidate_generator, "AdaptiveVerifyLength",
-                            lambda max_drafts: AdaptiveVerifyLength(max_drafts, FixedCosts(max_drafts, **kwargs)))
+                            lambda max_drafts, costs=None: AdaptiveVerifyLength(max_drafts, FixedCosts(max_drafts, **kwargs)))
 
     return use
 
@@ -352,3 +352,34 @@ def test_hybrid_target_with_plain_steps_and_rollbacks(wrong_every, fixed_costs):
     if wrong_every == 1:
         assert stats.plain_steps > 0  # and plain steps mixed in
     assert out.cache.get_seq_length() == expected.shape[1] - 1
+
+
+def _simulated_rate(costs, rate=0.55, seconds_per_row=0.38, drafter=0.8, steps=300):
+    """Tokens per plain step's time of the adaptive policy on a simulated machine where a step verifying n
+    drafts costs `1 + drafter + seconds_per_row * n` plain steps (bfloat16 on an AVX2-only CPU: every verified
+    row costs ~0.38 of a token) and each draft is accepted with `rate` after the ones before it."""
+    import random
+
+    draws, policy = random.Random(0), AdaptiveVerifyLength(15, costs)
+    tokens = seconds = 0.0
+    for _ in range(steps):
+        n = policy.choose()
+        accepted = next((k for k in range(n) if draws.random() > rate), n)
+        cost = 1.0 if n == 0 else 1.0 + drafter + seconds_per_row * n
+        policy.observe(n, accepted, seconds=0.037 * cost)
+        tokens, seconds = tokens + accepted + 1, seconds + cost
+    return tokens / seconds
+
+
+def test_where_every_verified_row_costs_nearly_a_token_the_policy_falls_back_to_plain_steps(monkeypatch):
+    from dflash_hf.generation import policy
+
+    monkeypatch.setattr(policy, "native_cpu_bf16", lambda: False)
+    emulated = policy.cost_prior(torch.bfloat16, torch.device("cpu"))
+    assert emulated["per_draft"] > 5 * policy.cost_prior(torch.float32, torch.device("cpu"))["per_draft"]
+    # priced as the hardware is, drafting stops after a few steps: about plain decoding's rate (1 token a step)
+    assert _simulated_rate(StepCosts(15, **emulated)) > 0.95
+    # priced as a native device, a plain step looks as dear as a drafted one's seconds say: drafting never stops
+    assert _simulated_rate(StepCosts(15, draft=0.3, per_draft=0.05)) < 0.8
+    monkeypatch.setattr(policy, "native_cpu_bf16", lambda: True)
+    assert policy.cost_prior(torch.bfloat16, torch.device("cpu")) == {"draft": 0.3, "per_draft": 0.05}

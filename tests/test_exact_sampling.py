@@ -131,9 +131,9 @@ class Clock:
         return self.now
 
 
-def trusted_policy(max_drafts):
+def trusted_policy(max_drafts, costs=None):
     """The adaptive verify length, its cut trusting the drafter's probabilities from the first step on, with
-    costs under which a draft of confidence below ~0.45 after one of 0.79 is left out."""
+    costs (fixed, in place of the hardware's `costs`) under which a draft of confidence below ~0.45 after one of 0.79 is left out."""
     adaptive = policy.AdaptiveVerifyLength(max_drafts, FixedCosts(max_drafts, draft=0.2, per_draft=0.3))
     adaptive.observe(adaptive.cut([1.0]), 1)
     return adaptive
@@ -146,7 +146,7 @@ class Uncut(policy.AdaptiveVerifyLength):
         return len(confidences)
 
 
-def uncut_policy(max_drafts):
+def uncut_policy(max_drafts, costs=None):
     return Uncut(max_drafts, FixedCosts(max_drafts))
 
 

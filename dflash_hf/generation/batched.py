@@ -38,7 +38,7 @@ from transformers.generation.logits_process import (
 )
 
 from .candidate_generator import DFlashCandidateGenerator
-from .policy import PER_DRAFT, StepCosts
+from .policy import StepCosts
 from .stats import DFlashGenerateOutput, DFlashStats
 from .verify import verify
 
@@ -90,7 +90,8 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
     cache, device = model_kwargs["cache"], input_ids.device
     drafting, policy = generator.max_drafts > 0, generator.policy
     if policy is not None:  # a verified draft adds a token per row to the target's forward
-        policy.costs = StepCosts(policy.max_drafts, per_draft=PER_DRAFT * input_ids.shape[0])
+        costs = policy.costs  # priced for one row by the hardware (`cost_prior`)
+        policy.costs = StepCosts(policy.max_drafts, draft=costs.draft, per_draft=costs.per_draft * input_ids.shape[0])
     budget = generation_config.max_length - input_ids.shape[1]  # new tokens per row, as plain generate counts them
     generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
     rows = list(range(input_ids.shape[0]))  # the original index of each row still in the batch

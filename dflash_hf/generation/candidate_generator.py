@@ -30,7 +30,7 @@ from transformers.generation.candidate_generator import DFlashTokenCandidateGene
 
 from ..targets import logit_softcap
 from .lookup import ContextLookup
-from .policy import AdaptiveVerifyLength, CopyPolicy, Plan, StepPlanner
+from .policy import AdaptiveVerifyLength, CopyPolicy, Plan, StepCosts, StepPlanner, cost_prior
 
 # How drafts are proposed under `do_sample=True` (all three are exact):
 # - "sample": a draw from the drafter's q; rejection sampling accepts it with prob min(1, p(d) / q(d)).
@@ -142,7 +142,11 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         self.draft_vocab, self.draft_head = self._draft_head(getattr(drafter.config, "draft_vocab", None))
         bounded = verify_length not in (None, ADAPTIVE)
         self.max_drafts = min(verify_length, self.block_size - 1) if bounded else self.block_size - 1
-        self.policy = AdaptiveVerifyLength(self.max_drafts) if verify_length == ADAPTIVE and self.max_drafts else None
+        self.policy = None
+        if verify_length == ADAPTIVE and self.max_drafts:
+            weights = target.get_output_embeddings().weight  # the verify forward's dtype and device
+            costs = StepCosts(self.max_drafts, **cost_prior(weights.dtype, weights.device))
+            self.policy = AdaptiveVerifyLength(self.max_drafts, costs)
         if generation_config.output_hidden_states:  # the caller asked for every layer
             self.model_kwargs_overrides = {"output_hidden_states": True}
         # Context features of committed tokens the drafter has not ingested (plain steps skip it).

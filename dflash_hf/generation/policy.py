@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+import torch
+
 
 def matching_prefix(proposed: list[int], truth: list[int]) -> int:
     """How many leading tokens of `proposed` equal `truth` (at most the shorter length)."""
@@ -27,6 +29,29 @@ def matching_prefix(proposed: list[int], truth: list[int]) -> int:
 
 
 PER_DRAFT = 0.05  # prior extra cost of a verified draft, in plain steps (StepCosts)
+# The same where bfloat16 matmuls of more than one row are emulated (a CPU without AVX512-BF16 or AMX: SmolLM2-135M's
+# forward over 1/2/4/8/16 tokens took 37/49/77/134/253 ms on an AVX2-only EPYC, each row 0.36-0.39 of a token's
+# step), and the drafter's forward there (two layers and a 15,360-row head over 16 rows, ~0.8 of a token's step).
+EMULATED_PER_DRAFT, EMULATED_DRAFT = 0.38, 0.8
+
+
+def native_cpu_bf16() -> bool:
+    """Whether this CPU computes bfloat16 matmuls natively (AVX512-BF16 or AMX)."""
+    # torch exposes the CPU's bf16 support only through these (underscored, but stable since 2.1) probes
+    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
+    return any(probe is not None and probe() for probe in probes)
+
+
+def cost_prior(dtype: torch.dtype, device: torch.device) -> dict:
+    """`StepCosts`' prior shape (`draft`, `per_draft`) for a target in `dtype` on `device`: where every verified
+    row costs nearly a token (bfloat16 on a CPU that emulates it), a prior shaped for a native device would price
+    a plain step from a drafted one's seconds at 2-3 times its cost, and the policy would never try one to learn
+    better; the prior shaped by the hardware lets it fall back to plain steps where drafting does not pay."""
+    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not native_cpu_bf16():
+        return {"draft": EMULATED_DRAFT, "per_draft": EMULATED_PER_DRAFT}
+    return {"draft": 0.3, "per_draft": PER_DRAFT}
+
+
 
 
 class StepCosts:
@@ -50,6 +75,7 @@ class StepCosts:
 
     def __init__(self, max_drafts: int, draft: float = 0.3, per_draft: float = PER_DRAFT, memory: float = 8.0,
                  fallback: "StepCosts | None" = None):
+        self.draft, self.per_draft = draft, per_draft
         self.prior = [1.0] + [1.0 + draft + per_draft * n for n in range(1, max_drafts + 1)]
         self.weight = 1.0 / memory
         self.mean: list[float | None] = [None] * (max_drafts + 1)
@@ -258,8 +284,11 @@ class CopyPolicy:
 
     def __init__(self, max_copy: int, drafts: AdaptiveVerifyLength | None = None):
         self.drafts = drafts
+        # a copied token costs the verify forward what a draft does (the hardware's price, `cost_prior`)
+        per_draft = drafts.costs.per_draft if drafts is not None else PER_DRAFT
         self.stats = AdaptiveVerifyLength(
-            max_copy, StepCosts(max_copy, draft=0.0, fallback=drafts.costs if drafts is not None else None)
+            max_copy, StepCosts(max_copy, draft=0.0, per_draft=per_draft,
+                                fallback=drafts.costs if drafts is not None else None)
         )
         self.passed_over: list[tuple[int, list[int]]] = []  # (position of its first token, tokens)
 
@@ -373,4 +402,5 @@ class StepPlanner:
             self.copies.score_passed_over(committed[self.copies.passed_over[0][0] :])
 
 
-__all__ = ["PER_DRAFT", "AdaptiveVerifyLength", "CopyPolicy", "Plan", "StepCosts", "StepPlanner", "matching_prefix"]
+__all__ = ["EMULATED_DRAFT", "EMULATED_PER_DRAFT", "PER_DRAFT", "AdaptiveVerifyLength", "CopyPolicy", "Plan", "StepCosts",
+           "StepPlanner", "cost_prior", "matching_prefix", "native_cpu_bf16"]
