@@ -23,7 +23,7 @@ from transformers import CompileConfig
 import dflash_hf
 from dflash_hf import embedded
 from dflash_hf.evaluation import encode_prompt, load_prompts
-from forward_widths import _cpu_name
+from dflash_hf.hardware import describe_cpu
 
 METHODS = ("plain eager", "plain compiled", "dflash eager", "dflash compiled")
 
@@ -83,7 +83,7 @@ def main(argv=None):
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    print(_cpu_name())
+    print(describe_cpu())
     _, tokenizer = embedded.load_smollm2()
     prompt_ids = [encode_prompt(tokenizer, item["prompt"]) for item in load_prompts(args.prompts)]
     results = {}
@@ -95,7 +95,7 @@ def main(argv=None):
                   f"of the fastest plain  identical to plain greedy (same mode): {r['identical']}")
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"cpu": _cpu_name(), "prompts": args.prompts, "results": results}, out, indent=1)
+            json.dump({"cpu": describe_cpu(), "prompts": args.prompts, "results": results}, out, indent=1)
 
 
 if __name__ == "__main__":

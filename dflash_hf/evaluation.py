@@ -239,15 +239,19 @@ def run_bench(
     adaptive: bool = True,
     lookup: int | None = None,
     repeats: int = 1,
+    other_dtypes: dict | None = None,
 ) -> dict:
     """Benchmarks `target` alone and with `drafter` on every prompt (token ids, batch of one).
 
     The full block is always run (`overall`: the drafter's acceptance); `verify_lengths` adds runs that
     verify only that many drafts per step, `adaptive` one with the adaptive policy (which learns the
     step costs within each call). With `lookup`, prompt lookup alone (`prompt_lookup_num_tokens`, a
-    second baseline) and DFlash combined with it (adaptive) run too. Per prompt the runs alternate
+    second baseline) and DFlash combined with it (adaptive) run too. `other_dtypes` (dtype name -> the
+    target loaded in that dtype) adds plain `generate` (and prompt lookup) in those dtypes: `alternatives`
+    holds every plain and lookup configuration's tokens/s, and each DFlash run its speedup over the fastest
+    plain one and the fastest of all (what the user would otherwise run). Per prompt the runs alternate
     their order and each time is the median of `repeats`. Returns a JSON-ready dict (`prompts`,
-    `overall`, `sweep`).
+    `overall`, `sweep`, `alternatives`).
     """
     import statistics
 
@@ -264,10 +268,19 @@ def run_bench(
         baselines["baseline"] = {}
         if lookup is not None:
             baselines["lookup"] = dict(lookup=lookup)
+        for name, model in (other_dtypes or {}).items():  # "baseline float32": plain generate in float32
+            baselines[f"baseline {name}"] = dict(model=model)
+            if lookup is not None:
+                baselines[f"lookup {name}"] = dict(model=model, lookup=lookup)
+
+    def run(settings, ids, new_tokens):
+        settings = dict(settings)
+        return _generate(settings.pop("model", target), ids, new_tokens, eos_token_id=eos_token_id, **settings)
+
     if warmup and prompt_ids:
         ids = torch.tensor([prompt_ids[0]], device=device)
         for settings in [*baselines.values(), *runs.values()]:
-            _generate(target, ids, 4, eos_token_id=eos_token_id, **settings)
+            run(settings, ids, 4)
     rows = []
     order = [*baselines, *runs]
     bar = tqdm(total=len(prompt_ids) * len(order), desc="bench", unit="run", disable=not progress)
@@ -278,8 +291,7 @@ def run_bench(
         for repeat in range(repeats):
             # alternate the order: a machine that slows down or speeds up favours no run
             for key in order if (index + repeat) % 2 == 0 else order[::-1]:
-                settings = baselines.get(key, runs.get(key))
-                sequences, stats, elapsed = _generate(target, ids, max_new_tokens, eos_token_id=eos_token_id, **settings)
+                sequences, stats, elapsed = run(baselines.get(key, runs.get(key)), ids, max_new_tokens)
                 seconds[key].append(elapsed)
                 outputs[key] = (sequences, stats) if key in runs else sequences
             bar.update(len(order) if repeat == 0 else 0)
@@ -335,7 +347,29 @@ def run_bench(
                             "all_match_greedy": all(r["lookup"]["matches_greedy"] for r in rows)}
     if baseline:
         result["same_text"] = same_text_summary(rows)
+        result.update(compare_with_alternatives(rows, sweep, str(next(target.parameters()).dtype).removeprefix("torch.")))
     return result
+
+
+def compare_with_alternatives(rows: list[dict], sweep: dict, dtype: str) -> dict:
+    """What the user would run instead of DFlash: plain `generate` and prompt lookup in every dtype benched
+    (`dtype`: the one DFlash ran in, whose runs are the rows' `baseline` and `lookup`). Returns `alternatives`
+    (name -> tokens/s), `fastest_plain` and `fastest_alternative` (their names), and adds to each `sweep`
+    entry its `speedup_over_fastest_plain` and `speedup_over_fastest_alternative`."""
+    names = {"baseline": f"plain {dtype}", "lookup": f"lookup {dtype}"}
+    alternatives = {}
+    for key in rows[0] if rows else {}:
+        kind = key.split(" ")[0]
+        if kind in ("baseline", "lookup"):
+            alternatives[names.get(key, key.replace("baseline", "plain"))] = _rate([row[key] for row in rows])
+    if not alternatives:
+        return {}
+    fastest_plain = max((name for name in alternatives if name.startswith("plain")), key=alternatives.get)
+    fastest = max(alternatives, key=alternatives.get)
+    for entry in sweep.values():
+        entry["speedup_over_fastest_plain"] = entry["dflash_tokens_per_second"] / max(1e-9, alternatives[fastest_plain])
+        entry["speedup_over_fastest_alternative"] = entry["dflash_tokens_per_second"] / max(1e-9, alternatives[fastest])
+    return {"dtype": dtype, "alternatives": alternatives, "fastest_plain": fastest_plain, "fastest_alternative": fastest}
 
 
 def _rate(entries) -> float:

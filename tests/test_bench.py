@@ -165,3 +165,45 @@ def test_edit_prompts_give_the_whole_function():
     items = bench.load_prompts("humaneval-edit:2")
     assert items[0]["id"] == "HumanEval-edit/0" and "type hints" in items[0]["prompt"]
     assert "return" in items[0]["prompt"] and items[0]["prompt"].count("```") == 2
+
+
+def _slowed(model, seconds):
+    """`model`, each of whose forwards also sleeps `seconds`: a slower dtype on some CPU."""
+    import time
+
+    model.register_forward_pre_hook(lambda *_: time.sleep(seconds))
+    return model
+
+
+def test_bench_compares_with_the_fastest_plain_configuration_whatever_its_dtype():
+    target = tiny.qwen3_target()
+    others = {"bfloat16": _slowed(tiny.qwen3_target(), 0.02), "float16": tiny.qwen3_target()}
+    result = bench.run_bench(target, tiny.drafter(0, block_size=4), [[3, 4, 5, 6, 3, 4, 5, 6]], max_new_tokens=16,
+                             verify_lengths=[], lookup=4, progress=False, other_dtypes=others)
+    alternatives = result["alternatives"]
+    assert set(alternatives) == {f"{kind} {dtype}" for kind in ("plain", "lookup")
+                                 for dtype in ("float32", "bfloat16", "float16")}
+    assert alternatives["plain bfloat16"] < alternatives["plain float32"] / 3  # the sleeping one
+    assert result["dtype"] == "float32" and result["fastest_plain"] in ("plain float32", "plain float16")
+    assert result["fastest_alternative"] != "plain bfloat16" and not result["fastest_alternative"].endswith("bfloat16")
+    for entry in result["sweep"].values():  # a faster alternative can only lower the speedup
+        assert entry["speedup_over_fastest_alternative"] <= entry["speedup_over_fastest_plain"] <= entry["speedup"] + 1e-9
+    fastest = max(alternatives[name] for name in alternatives if name.startswith("plain"))
+    assert result["overall"]["speedup_over_fastest_plain"] == pytest.approx(
+        result["overall"]["dflash_tokens_per_second"] / fastest)
+    summary = bench.format_summary(result)
+    assert "alternatives: plain float32" in summary and "vs fastest plain" in summary
+
+
+def test_cli_bench_times_plain_generate_in_every_dtype(tmp_path, capsys):
+    tiny.qwen3_target().save_pretrained(tmp_path / "target")
+    tiny.tokenizer().save_pretrained(tmp_path / "target")
+    tiny.drafter(0, block_size=4).save_pretrained(tmp_path / "drafter")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "a b c a b c"}\n')
+    code = cli.main(["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
+                     "--dtype", "float32", "--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "8",
+                     "--verify-lengths", "--no-progress", "--no-chat-template", "--output", str(tmp_path / "b.json")])
+    assert code == 0
+    result = json.loads((tmp_path / "b.json").read_text())
+    assert result["dtype"] == "float32" and {"plain float32", "plain bfloat16", "lookup bfloat16"} <= set(result["alternatives"])
+    assert result["device"] and "fastest plain" in capsys.readouterr().out

@@ -1,0 +1,84 @@
+"""What the machine computes fast: the CPU's features, the dtype DFlash runs in, the dtypes plain decoding is
+compared in.
+
+On a CPU the fastest plain decoding is not always float32. Measured for SmolLM2-135M (2 cores, forward over
+1/2/4/8/16 tokens, ms): with AVX512-BF16 (or AMX) bfloat16 runs natively, 64/68/79/84/93 against float32's
+90/145/139/146/178; with AVX2 alone a one-row bfloat16 matmul has a fast path but wider ones are emulated,
+37/49/77/134/253 against float32's 56/94/98/90/108. So one-token bfloat16 decoding is the fastest plain
+configuration on both kinds, and a speedup is only honest against the fastest plain configuration
+(`plain_dtypes`, each timed).
+"""
+
+from __future__ import annotations
+
+import platform
+
+import torch
+
+from .generation.policy import native_cpu_bf16
+
+# the /proc/cpuinfo flags that decide how fast bfloat16 and float32 matmuls run
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
+
+
+def _cpuinfo() -> tuple[str, list[str]]:
+    try:
+        with open("/proc/cpuinfo") as info:
+            lines = info.read().splitlines()
+    except OSError:
+        return platform.processor() or "unknown CPU", []
+    name = next((line.split(":", 1)[1].strip() for line in lines if line.startswith("model name")), "unknown CPU")
+    flags = next((line.split(":", 1)[1].split() for line in lines if line.startswith("flags")), [])
+    return name, flags
+
+
+def cpu_features() -> list[str]:
+    """Which of `CPU_FLAGS` this CPU has (from /proc/cpuinfo; torch's probes where that is missing)."""
+    _, flags = _cpuinfo()
+    if flags:
+        return [flag for flag in CPU_FLAGS if flag in flags]
+    found = []
+    if torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512"):
+        found.append("avx2")
+    if native_cpu_bf16():
+        found.append("avx512_bf16")
+    return found
+
+
+def describe_cpu() -> str:
+    """`"<model name> (avx2, avx512_bf16; 2 threads)"`: what every speed figure should be quoted with."""
+    name, _ = _cpuinfo()
+    return f"{name} ({', '.join(cpu_features()) or 'no avx2'}; {torch.get_num_threads()} threads)"
+
+
+def resolve_dtype(dtype: str, device: str | None = None) -> str:
+    """The dtype DFlash (and a target loaded for it) runs in; `"auto"` picks it by the hardware:
+
+    - CUDA: `"bfloat16"` where the GPU has it, else `"float32"`.
+    - a CPU with AVX512-BF16 or AMX: `"bfloat16"` (native, the fastest at every width).
+    - a CPU with AVX2 alone: `"bfloat16"` too. Its one-token steps are the fastest plain decoding there, and
+      DFlash's adaptive verify length prices the emulated wider forwards as such (`generation.policy.cost_prior`)
+      and learns what they cost, so that it falls back to those one-token steps where drafting does not pay:
+      the default is never far below the fastest plain configuration. In float32 every step, drafted or not,
+      costs 1.5x a bfloat16 token there.
+    - any other CPU: `"float32"`.
+    """
+    if dtype != "auto":
+        return dtype
+    if (device or "cpu").startswith("cuda") or (device is None and torch.cuda.is_available()):
+        return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
+    if native_cpu_bf16() or "avx2" in cpu_features():
+        return "bfloat16"
+    return "float32"
+
+
+def plain_dtypes(device: str | None = None) -> list[str]:
+    """The dtypes plain `generate` is timed in to find the fastest plain configuration: float32 and the
+    half-precision type the device has (bfloat16 on every CPU torch runs it on, float16 on a GPU without it)."""
+    on_cuda = (device or "cpu").startswith("cuda") or (device is None and torch.cuda.is_available())
+    if on_cuda and not torch.cuda.is_bf16_supported():
+        return ["float32", "float16"]
+    return ["float32", "bfloat16"]
+
+
+__all__ = ["CPU_FLAGS", "cpu_features", "describe_cpu", "plain_dtypes", "resolve_dtype"]
