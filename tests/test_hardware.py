@@ -16,6 +16,8 @@ def test_auto_dtype_by_cpu_kind(monkeypatch, flags, native, expected):
     monkeypatch.setattr(hardware, "_cpuinfo", lambda: ("Some CPU", [*flags, "sse4_2"]))
     monkeypatch.setattr(hardware, "native_cpu_bf16", lambda: native)
     assert hardware.resolve_dtype("auto") == expected
+    # training's forwards span whole sequences: bfloat16 only where it is native
+    assert hardware.resolve_dtype("auto", for_training=True) == ("bfloat16" if native else "float32")
     assert hardware.resolve_dtype("float16") == "float16"  # what the user names is kept
     assert hardware.cpu_features() == flags
     assert hardware.describe_cpu().startswith("Some CPU (")
