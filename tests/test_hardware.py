@@ -23,8 +23,10 @@ def test_auto_dtype_by_cpu_kind(monkeypatch, flags, native, expected):
     assert hardware.describe_cpu().startswith("Some CPU (")
 
 
-def test_plain_decoding_is_timed_in_float32_and_a_half_precision_type(monkeypatch):
+def test_plain_decoding_is_timed_in_both_dtypes_on_a_cpu_and_in_half_precision_on_a_gpu(monkeypatch):
     assert hardware.plain_dtypes("cpu") == ["float32", "bfloat16"]
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: False)
-    assert hardware.plain_dtypes("cuda:0") == ["float32", "float16"]
+    assert hardware.plain_dtypes("cuda:0") == ["float16"]
     assert hardware.resolve_dtype("auto", "cuda:0") == "float32"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda: True)
+    assert hardware.plain_dtypes("cuda:0") == ["bfloat16"] and hardware.resolve_dtype("auto", "cuda:0") == "bfloat16"
