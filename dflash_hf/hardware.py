@@ -1,12 +1,12 @@
 """What the machine computes fast: the CPU's features, the dtype DFlash runs in, the dtypes plain decoding is
 compared in.
 
-On a CPU the fastest plain decoding is not always float32. Measured for SmolLM2-135M (2 cores, forward over
-1/2/4/8/16 tokens, ms): with AVX512-BF16 (or AMX) bfloat16 runs natively, 64/68/79/84/93 against float32's
-90/145/139/146/178; with AVX2 alone a one-row bfloat16 matmul has a fast path but wider ones are emulated,
-37/49/77/134/253 against float32's 56/94/98/90/108. So one-token bfloat16 decoding is the fastest plain
-configuration on both kinds, and a speedup is only honest against the fastest plain configuration
-(`plain_dtypes`, each timed).
+On a CPU the fastest plain decoding may be float32 or bfloat16. Measured for SmolLM2-135M (2 cores, forward
+over 1/2/4/8/16 tokens, ms): on an AMD EPYC with AVX2 alone a one-row bfloat16 matmul has a fast path but wider
+ones are emulated, 37/49/77/134/253 against float32's 56/94/98/90/108; on a Xeon with AVX512-BF16 one session
+measured 64/68/79/84/93 against 90/145/139/146/178, while on another Xeon with AVX512-BF16 and AMX plain
+float32 decoded faster than bfloat16 (24.7 against 22.2 tok/s) although its wide bfloat16 forwards stayed far
+cheaper. So a speedup is only honest against every plain dtype, each timed (`plain_dtypes`).
 """
 
 from __future__ import annotations
@@ -55,7 +55,9 @@ def resolve_dtype(dtype: str, device: str | None = None, for_training: bool = Fa
     """The dtype DFlash (and a target loaded for it) runs in; `"auto"` picks it by the hardware:
 
     - CUDA: `"bfloat16"` where the GPU has it, else `"float32"`.
-    - a CPU with AVX512-BF16 or AMX: `"bfloat16"` (native, the fastest at every width).
+    - a CPU with AVX512-BF16 or AMX: `"bfloat16"` (native: a verify forward over several tokens costs little
+      more than one; on a Xeon whose plain float32 decoding was the faster, DFlash still ran 1.62x over it in
+      bfloat16 against 1.38x in float32 on code).
     - a CPU with AVX2 alone: `"bfloat16"` too. Its one-token steps are the fastest plain decoding there, and
       DFlash's adaptive verify length prices the emulated wider forwards as such (`generation.policy.cost_prior`)
       and learns what they cost, so that it falls back to those one-token steps where drafting does not pay:

@@ -28,11 +28,12 @@ def matching_prefix(proposed: list[int], truth: list[int]) -> int:
     return next((i for i, (a, b) in enumerate(zip(proposed, truth)) if a != b), min(len(proposed), len(truth)))
 
 
-PER_DRAFT = 0.05  # prior extra cost of a verified draft, in plain steps (StepCosts)
+# Prior costs, in plain steps (StepCosts): the drafter's forward, and each verified draft's extra in the target's.
+DRAFT, PER_DRAFT = 0.3, 0.05
 # The same where bfloat16 matmuls of more than one row are emulated (a CPU without AVX512-BF16 or AMX: SmolLM2-135M's
 # forward over 1/2/4/8/16 tokens took 37/49/77/134/253 ms on an AVX2-only EPYC, each row 0.36-0.39 of a token's
-# step), and the drafter's forward there (two layers and a 15,360-row head over 16 rows, ~0.8 of a token's step).
-EMULATED_PER_DRAFT, EMULATED_DRAFT = 0.38, 0.8
+# step); the drafter's forward there (two layers and a 15,360-row head over 16 rows) estimated from those figures.
+EMULATED_DRAFT, EMULATED_PER_DRAFT = 0.8, 0.38
 
 
 def native_cpu_bf16() -> bool:
@@ -49,7 +50,7 @@ def cost_prior(dtype: torch.dtype, device: torch.device) -> dict:
     better; the prior shaped by the hardware lets it fall back to plain steps where drafting does not pay."""
     if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not native_cpu_bf16():
         return {"draft": EMULATED_DRAFT, "per_draft": EMULATED_PER_DRAFT}
-    return {"draft": 0.3, "per_draft": PER_DRAFT}
+    return {"draft": DRAFT, "per_draft": PER_DRAFT}
 
 
 
@@ -73,7 +74,7 @@ class StepCosts:
             prices this one's lengths until it has seen a step of its own.
     """
 
-    def __init__(self, max_drafts: int, draft: float = 0.3, per_draft: float = PER_DRAFT, memory: float = 8.0,
+    def __init__(self, max_drafts: int, draft: float = DRAFT, per_draft: float = PER_DRAFT, memory: float = 8.0,
                  fallback: "StepCosts | None" = None):
         self.draft, self.per_draft = draft, per_draft
         self.prior = [1.0] + [1.0 + draft + per_draft * n for n in range(1, max_drafts + 1)]
@@ -402,5 +403,5 @@ class StepPlanner:
             self.copies.score_passed_over(committed[self.copies.passed_over[0][0] :])
 
 
-__all__ = ["EMULATED_DRAFT", "EMULATED_PER_DRAFT", "PER_DRAFT", "AdaptiveVerifyLength", "CopyPolicy", "Plan", "StepCosts",
+__all__ = ["DRAFT", "EMULATED_DRAFT", "EMULATED_PER_DRAFT", "PER_DRAFT", "AdaptiveVerifyLength", "CopyPolicy", "Plan", "StepCosts",
            "StepPlanner", "cost_prior", "matching_prefix", "native_cpu_bf16"]
