@@ -140,8 +140,6 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run_bench(args: argparse.Namespace) -> int:
-    import torch
-
     from . import embedded, hardware
     from .bench import format_summary, save_plot
     from .evaluation import encode_prompt as encode, load_prompts, run_bench as bench
@@ -178,8 +176,8 @@ def run_bench(args: argparse.Namespace) -> int:
         prompt_names=[item["id"] for item in items], progress=not args.no_progress, adaptive=not args.no_adaptive,
         lookup=args.lookup or None, repeats=args.repeats, other_dtypes=others,
     )
-    device = hardware.describe_cpu() if target.device.type == "cpu" else torch.cuda.get_device_name(target.device)
-    result.update(target=args.target, drafter=args.drafter or "shipped", prompt_set=args.prompts, device=device)
+    result.update(target=args.target, drafter=args.drafter or "shipped", prompt_set=args.prompts,
+                  device=hardware.describe_device(target.device))
     output = Path(args.output)
     output.parent.mkdir(parents=True, exist_ok=True)
     output.write_text(json.dumps(result, indent=2))
@@ -268,7 +266,7 @@ def run_demo(args: argparse.Namespace) -> int:
           f"forwards{copies}; speedup over the fastest plain greedy generate ({fastest}) "
           f"{dflash_rate / rates[fastest]:.2f}x (DFlash {dflash_rate:.1f} tok/s in {dtype_name}; plain {plain_rates}); "
           f"identical output to plain {dtype_name}: {torch.equal(dflash, plain)}")
-    print(f"on {hardware.describe_cpu() if target.device.type == 'cpu' else torch.cuda.get_device_name(target.device)}")
+    print(f"on {hardware.describe_device(target.device)}")
     return 0
 
 

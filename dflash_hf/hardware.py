@@ -11,6 +11,7 @@ cheaper. So a speedup is only honest against every plain dtype, each timed (`pla
 
 from __future__ import annotations
 
+import functools
 import platform
 
 import torch
@@ -21,6 +22,7 @@ from .generation.policy import native_cpu_bf16
 CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16")
 
 
+@functools.cache  # read once a process: describe_cpu and resolve_dtype both ask
 def _cpuinfo() -> tuple[str, list[str]]:
     try:
         with open("/proc/cpuinfo") as info:
@@ -49,6 +51,11 @@ def describe_cpu() -> str:
     """`"<model name> (avx2, avx512_bf16; 2 threads)"`: what every speed figure should be quoted with."""
     name, _ = _cpuinfo()
     return f"{name} ({', '.join(cpu_features()) or 'no avx2'}; {torch.get_num_threads()} threads)"
+
+
+def describe_device(device: torch.device) -> str:
+    """`describe_cpu()` on a CPU, else the accelerator's name: what a speed figure is quoted with."""
+    return describe_cpu() if device.type == "cpu" else torch.cuda.get_device_name(device)
 
 
 def resolve_dtype(dtype: str, device: str | None = None, for_training: bool = False) -> str:
@@ -86,4 +93,4 @@ def plain_dtypes(device: str | None = None) -> list[str]:
     return ["float32", "bfloat16"]
 
 
-__all__ = ["CPU_FLAGS", "cpu_features", "describe_cpu", "plain_dtypes", "resolve_dtype"]
+__all__ = ["CPU_FLAGS", "cpu_features", "describe_cpu", "describe_device", "plain_dtypes", "resolve_dtype"]
