@@ -259,6 +259,64 @@ def test_rejection_verify_kernel_with_one_hot_drafts_and_top_k_target(kernels):
         assert got[0][0] >= 1  # p(1100) ~ 1: accepted
 
 
+def _assert_rejection_agrees(kernels, drafts, draft_scores, target, uniform, exponential):
+    """The kernel and the reference, given the same draws, accept as many drafts and take the same token."""
+    got = kernels.rejection_verify(drafts, draft_scores, target, uniform, exponential)
+    expected = accept_rules.rejection_verify(drafts, draft_scores.softmax(-1), target.softmax(-1), uniform, exponential)
+    assert (got[0].tolist(), got[1].tolist()) == (expected[0].tolist(), expected[1].tolist())
+    return got
+
+
+def test_rejection_verify_with_exponential_draws_of_zero(kernels):
+    """`exponential_` returns an exact 0 now and then: a token whose residual is 0 (outside the target's top 4, or the
+    rejected draft) must not win the race through 0 / 0 = NaN, in the kernel or in the reference."""
+    batch, k, vocab = 3, 2, 1500
+    drafts, target, draft_scores, generator = _verify_inputs(batch, k, vocab, seed=7)
+    top = target.topk(4, dim=-1).indices
+    target = torch.full_like(target, float("-inf")).scatter(-1, top, target.gather(-1, top))
+    drafts[:, 0] = target[:, 0].argmin(-1)  # a first draft of p 0: rejected, the residual at slot 0 decides
+    uniform = torch.full((batch, k), 0.5, device=DEVICE)
+    exponential = torch.ones(batch, vocab, device=DEVICE)
+    exponential[:, ::3] = 0.0  # zeros on tokens of residual 0, in both vocabulary tiles
+    exponential[0, top[0, 0, 0]] = 0.0  # and on one of positive residual: row 0's race is won by a zero draw
+    accepted, next_token = _assert_rejection_agrees(kernels, drafts, draft_scores, target, uniform, exponential)
+    assert accepted.tolist() == [0, 0, 0]
+    residual = (target[:, 0].softmax(-1) - draft_scores[:, 0].softmax(-1)).clamp_min(0)
+    assert bool((residual.gather(1, next_token[:, None]) > 0).all()), next_token
+    assert exponential[0, next_token[0]] == 0.0
+
+
+def test_rejection_verify_breaks_ties_in_the_race_as_the_reference(kernels):
+    """Equal residuals and equal draws: the race is a tie, won by the first index, also across vocabulary tiles."""
+    vocab = 2100
+    target = torch.full((2, 2, vocab), float("-inf"), device=DEVICE)
+    target[0, 0, [7, 900, 1500]] = 0.0  # row 0: a tie inside the first tile
+    target[1, 0, [1100, 2000]] = 0.0  # row 1: inside the second
+    target[:, 1] = 0.0
+    drafts = torch.tensor([[3], [5]], device=DEVICE)  # q one-hot at a token of p 0: rejected, residual = p
+    one_hot = torch.full((2, 1, vocab), float("-inf"), device=DEVICE).scatter(-1, drafts[..., None], 0.0)
+    uniform, exponential = torch.zeros(2, 1, device=DEVICE), torch.ones(2, vocab, device=DEVICE)
+    accepted, next_token = _assert_rejection_agrees(kernels, drafts, one_hot, target, uniform, exponential)
+    assert accepted.tolist() == [0, 0] and next_token.tolist() == [7, 1100]
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_verify_kernels_with_non_finite_scores_agree_with_the_reference(kernels, value):
+    """NaN and infinite target scores (a broken model, an overflow): the kernels rank them as `torch.argmax` does
+    (NaN above everything, the first of them winning), so kernel and reference still commit the same tokens."""
+    batch, k, vocab = 3, 3, 1100
+    for seed in range(3):
+        drafts, target, draft_scores, generator = _verify_inputs(batch, k, vocab, seed)
+        target[0, 1, [40, 1050]] = float(value)  # row 0, slot 1, both tiles
+        target[1, 0, 1090] = float(value)  # row 1, slot 0, the second tile only
+        target[2, :, :] = float(value) if seed == 2 else target[2]  # a whole row of them
+        greedy = kernels.greedy_verify(drafts, target)
+        expected = accept_rules.greedy_verify(drafts, target)
+        assert (greedy[0].tolist(), greedy[1].tolist()) == (expected[0].tolist(), expected[1].tolist())
+        uniform, exponential = (t.to(DEVICE) for t in accept_rules.sampling_noise(batch, k, vocab, generator=generator))
+        _assert_rejection_agrees(kernels, drafts, draft_scores, target, uniform, exponential)
+
+
 def test_verify_kernels_reject_mismatched_shapes(kernels):
     drafts, target, draft_scores, _ = _verify_inputs(2, 4, 64, seed=0)
     with pytest.raises(ValueError, match="do not cover"):

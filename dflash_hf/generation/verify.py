@@ -24,6 +24,10 @@ except ImportError:
     resolve_backend = verify_kernels = None
 
 
+# The smallest normal float32: exponential draws are raised to it, so that a token of residual 0 never wins the race.
+TINY = torch.finfo(torch.float32).tiny
+
+
 def greedy_verify(draft_ids: torch.LongTensor, target_logits: torch.Tensor) -> tuple[torch.LongTensor, torch.LongTensor]:
     """Accept drafts while they equal the target's argmax; the target's argmax at the first mismatch
     (or after the last draft) is the extra token.
@@ -82,14 +86,15 @@ def rejection_verify(
         target_probs (`(batch, k + 1, vocab)`): p, the target's distributions after the same processing.
         uniform (`(batch, k)`): U[0, 1) draws for the accept tests.
         exponential (`(batch, vocab)`): Exp(1) draws; `argmax(r / exponential)` samples from r (the
-            exponential race), so the residual needs no normalisation.
+            exponential race), so the residual needs no normalisation. Draws below `TINY` count as `TINY`.
     Returns:
         `accepted` (`(batch,)`, 0..k) and `next_token` (`(batch,)`).
     """
     accept_probs, residuals = rejection_terms(draft_ids, draft_probs, target_probs)
     accepted = (uniform < accept_probs).long().cumprod(dim=-1).sum(dim=-1)
     index = accepted[:, None, None].expand(-1, 1, residuals.shape[-1])
-    next_token = (residuals.gather(1, index).squeeze(1) / exponential).argmax(dim=-1)
+    # a draw of exactly 0 (exponential_ returns one now and then) would make 0 / 0 = NaN, which argmax picks
+    next_token = (residuals.gather(1, index).squeeze(1) / exponential.clamp_min(TINY)).argmax(dim=-1)
     return accepted, next_token
 
 
@@ -134,4 +139,4 @@ def verify(draft_ids: torch.LongTensor, draft_scores: torch.Tensor | None, targe
     return rejection_verify(draft_ids, draft_scores.softmax(dim=-1), target_scores.softmax(dim=-1), uniform, exponential)
 
 
-__all__ = ["greedy_verify", "match_verify", "rejection_terms", "rejection_verify", "sampling_noise", "verify"]
+__all__ = ["TINY", "greedy_verify", "match_verify", "rejection_terms", "rejection_verify", "sampling_noise", "verify"]

@@ -24,13 +24,21 @@ import triton.language as tl
 _BLOCK_V = 1024
 
 
+# The smallest normal float32: exponential draws are raised to it (a draw of 0 would let a token of residual 0 win).
+_TINY = 1.1754943508222875e-38
+
+
 @triton.jit
 def _argmax_merge(values, index, vocab, best, best_index):
-    """`(best, best_index)` after one tile: the tile's max and its first index (`vocab` where none), taken only if
-    strictly greater, so an earlier tile keeps a tie, as `torch.argmax` does."""
-    tile_best = tl.max(values, axis=0)
-    tile_index = tl.min(tl.where(values == tile_best, index, vocab), axis=0).to(tl.int64)
-    better = tile_best > best
+    """`(best, best_index)` after one tile, as `torch.argmax` ranks: NaN above everything (the first NaN wins), else
+    the tile's max and its first index (`vocab` where none), taken only if strictly greater, so an earlier tile
+    keeps a tie."""
+    nan = values != values
+    tile_nan = tl.max(nan.to(tl.int32), axis=0) > 0
+    tile_best = tl.max(tl.where(nan, float("-inf"), values), axis=0)
+    tile_index = tl.min(tl.where(tl.where(tile_nan, nan, values == tile_best), index, vocab), axis=0).to(tl.int64)
+    better = (best == best) & (tile_nan | (tile_best > best))  # a NaN best is never replaced
+    tile_best = tl.where(tile_nan, float("nan"), tile_best)
     return tl.where(better, tile_best, best), tl.where(better, tile_index, best_index)
 
 
@@ -99,7 +107,8 @@ def _rejection_verify_kernel(
         p_draft = tl.exp(tl.load(p_base + draft * stride_pv).to(tl.float32) - p_max) / p_sum
         q_draft = tl.exp(tl.load(q_base + draft * stride_qv).to(tl.float32) - q_max) / q_sum
         # a drawn draft has q > 0; a draft of q 0 was not drawn from q and is never accepted
-        ratio = tl.minimum(tl.where(q_draft > 0, p_draft / tl.where(q_draft > 0, q_draft, 1.0), 0.0), 1.0)
+        ratio = tl.where(q_draft > 0, p_draft / tl.where(q_draft > 0, q_draft, 1.0), 0.0)
+        ratio = tl.where(ratio > 1.0, 1.0, ratio)  # min(ratio, 1) keeping a NaN (never accepted), as torch's clamp
         uniform = tl.load(uniform_ptr + row * stride_ub + slot * stride_uk)
         accepted += ((accepted == slot) & (uniform < ratio)).to(tl.int64)
 
@@ -125,7 +134,7 @@ def _rejection_verify_kernel(
                    - q_max) / q_sum
         residual = tl.where(has_draft, tl.maximum(p - q, 0.0), p)
         residual_sum += tl.sum(tl.where(valid, residual, 0.0), axis=0)
-        exponential = tl.load(e_base + index * stride_ev, mask=valid, other=1.0)
+        exponential = tl.maximum(tl.load(e_base + index * stride_ev, mask=valid, other=1.0), _TINY)
         # the exponential race argmax(r / e) over the residual, and over p for the case of no residual
         best_residual, best_residual_index = _argmax_merge(tl.where(valid, residual / exponential, -1.0), index, vocab,
                                                            best_residual, best_residual_index)
