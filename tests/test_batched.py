@@ -3,7 +3,8 @@ with rows of different lengths accepting different numbers of drafts and finishi
 
 import pytest
 import torch
-from transformers import pipeline
+from transformers import StoppingCriteriaList, pipeline
+from transformers.generation.stopping_criteria import EosTokenCriteria
 from transformers.generation.streamers import BaseStreamer
 
 import dflash_hf
@@ -118,6 +119,26 @@ def test_rows_finish_at_their_own_eos(family):
     # each row's steps stop at its EOS: a finished row is not carried along
     steps = [len(row.acceptance_lengths) for row in out.dflash_stats.rows]
     assert forwards.count == 1 + max(steps) and min(steps) < max(steps)
+
+
+def test_finished_rows_pad_with_the_first_eos_id():
+    """Without a pad token the finished rows are padded with the first EOS id, as plain generate pads them (the EOS ids
+    here come from an `EosTokenCriteria`, so the call's own fallback pads; it used to take whichever id a set gave)."""
+    target = _target("qwen3")
+    target.generation_config.pad_token_id = None
+    ids, mask = _batch((6, 10, 8))
+    free = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)[:, ids.shape[1]:]
+    first = free[0, 4].item()  # row 0 stops early, the others later or never
+    unused = set(range(tiny.VOCAB - 3)) - set(free.flatten().tolist())
+    second = next(t for t in sorted(unused) if t % 8 < first % 8)  # a set of the two ids yields `second` first
+    target.generation_config.eos_token_id = [first, second]
+    plain = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False)
+    assert (plain[0, ids.shape[1] + 5 :] == first).all()  # plain generate pads with the first
+    target.generation_config.eos_token_id = None
+    actual = target.generate(ids, attention_mask=mask, max_new_tokens=NEW_TOKENS, do_sample=False,
+                             stopping_criteria=StoppingCriteriaList([EosTokenCriteria([first, second])]),
+                             assistant_model=tiny.drafter(0, block_size=4))
+    assert torch.equal(actual, plain)
 
 
 def _pair_distance(target, ids, mask, runs, **kwargs):

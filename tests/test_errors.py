@@ -2,6 +2,7 @@
 
 import copy
 import json
+import re
 
 import pytest
 import torch
@@ -158,6 +159,27 @@ def test_options_dflash_cannot_honour(target, kwargs, message):
     kwargs = {"max_new_tokens": 4, "do_sample": False, **kwargs}
     with pytest.raises(ValueError, match=message):
         target.generate(PROMPT, assistant_model=drafter(0), **kwargs)
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_stateful_logits_processor_is_refused(target, batch):
+    """Classifier-free guidance (`guidance_scale`) advances its own cache by one token per call: called on drafts that
+    are then rejected it no longer gives plain generate's output (tiny Qwen3 and Llama, 16 greedy tokens, guidance
+    1.5 and 3.0 differed), so DFlash refuses it."""
+    with pytest.raises(ValueError, match=r"UnbatchedClassifierFreeGuidanceLogitsProcessor \(guidance_scale\).*Drop "
+                                         r"guidance_scale"):
+        target.generate(PROMPT.repeat(batch, 1), max_new_tokens=4, do_sample=False, guidance_scale=1.5,
+                        assistant_model=drafter(0))
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize("shape", [(1, 2), (1, 4), (2, 3)])
+def test_attention_mask_of_another_shape(target, shape, padded):
+    """A mask of ones (which generate turns into positions, then drops) and a padded one (kept)."""
+    mask = torch.ones(shape, dtype=torch.long)
+    mask[:, 0] = 0 if padded else 1
+    with pytest.raises(ValueError, match=re.escape(f"has shape {shape}, the prompt (1, 3) (batch, tokens)")):
+        target.generate(PROMPT, attention_mask=mask, max_new_tokens=4, do_sample=False, assistant_model=drafter(0))
 
 
 def test_empty_prompt(target):

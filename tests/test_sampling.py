@@ -92,6 +92,9 @@ def test_rejection_verify_edge_cases():
     # p(d) = 0 is always rejected, and the residual max(p - q, 0) cannot give d back
     accepted, token = rejection_verify(torch.tensor([[0]]), q, p, torch.tensor([[0.0]]), exponential)
     assert accepted.item() == 0 and token.item() == 1
+    # an exponential draw of exactly 0 (exponential_ returns one now and then) on a token of residual 0: not taken
+    accepted, token = rejection_verify(torch.tensor([[0]]), q, p, torch.tensor([[0.0]]), torch.tensor([[0.0, 1.0, 0.0]]))
+    assert accepted.item() == 0 and token.item() == 1
 
 
 # --- end to end through generate(), at the default settings ------------------------------------

@@ -20,6 +20,9 @@ import weakref
 
 import torch
 from transformers import GenerationMixin, PreTrainedModel, StoppingCriteriaList
+from transformers.generation.logits_process import (
+    SynthIDTextWatermarkLogitsProcessor, UnbatchedClassifierFreeGuidanceLogitsProcessor,
+)
 from transformers.generation.stopping_criteria import EosTokenCriteria, StopStringCriteria
 
 from ..targets import check_compatible, is_dflash_drafter
@@ -28,6 +31,13 @@ from .batched import check_batch, decode_batch
 from .decoding import decode, per_token_criteria
 from .stats import DFlashStats
 
+# Logits processors of transformers that keep state across calls (each call advances it by one token), with the
+# generate option that adds them: DFlash refuses them (`check_processors`). Every other processor transformers
+# builds is a function of the ids and scores it is given.
+STATEFUL_PROCESSORS = {
+    UnbatchedClassifierFreeGuidanceLogitsProcessor: "guidance_scale",
+    SynthIDTextWatermarkLogitsProcessor: "watermarking_config",
+}
 _SETTINGS = "_dflash_settings"  # where enable() keeps its options, in the instance's __dict__
 DEFAULTS = {"proposal": "sample", "verify_length": ADAPTIVE, "lookup": ADAPTIVE}
 _UNSET = object()
@@ -107,8 +117,16 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
         raise ValueError("DFlash needs a prompt of at least one token (the drafter drafts from the target's context).")
     if model_kwargs.get("cache") is None:
         raise ValueError("DFlash needs the target's cache; drop use_cache=False.")
-    eos = next((c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)), None)
+    check_processors(logits_processor)
+    embeds = model_kwargs.get("inputs_embeds")
+    expected = (input_ids.shape[0], input_ids.shape[1] or (embeds.shape[1] if embeds is not None else 0))
+    for name in ("attention_mask", "position_ids"):  # (generate derives the positions from the mask, then drops a
+        given = model_kwargs.get(name)                # mask of ones)
+        if given is not None and tuple(given.shape[-2:]) != expected:
+            raise ValueError(f"The {name} has shape {tuple(given.shape)}, the prompt {expected} (batch, tokens): pass "
+                             "the attention_mask the tokenizer returned with these ids (one entry per prompt token).")
     mask = model_kwargs.get("attention_mask")
+    eos = next((c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)), None)
     unpadded = mask.all() if mask is not None else input_ids.new_ones(())
     prompt, unpadded, eos = _read(input_ids[0], unpadded, eos if eos is not None else input_ids.new_zeros(0))
     if (mismatch := chat_mode_mismatch(drafter, prompt)) is not None:
@@ -118,7 +136,22 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
     # Linear-attention and sliding-window layers keep the states of the last tokens, to roll back to: as many as
     # the longest verify forward covers (a copied run can be longer than the block).
     model_kwargs["cache"].activate_past_recording(recurrent_states_to_keep=generator.longest_verify)
-    return generator, frozenset(eos)
+    return generator, tuple(dict.fromkeys(eos))  # in order: a batch pads with the first, as plain generate
+
+
+def check_processors(logits_processor) -> None:
+    """Raises a `ValueError` naming the fix for a processor that keeps state from call to call (`STATEFUL_PROCESSORS`).
+
+    DFlash calls the logits processors on the scores of every slot it verifies, rejected drafts' included, and on
+    the drafter's: a processor that is a function of the ids and scores it is given gives the committed tokens
+    exactly the scores plain `generate` would, one that advances its own state per call does not."""
+    for processor in logits_processor or ():
+        for cls, option in STATEFUL_PROCESSORS.items():
+            if isinstance(processor, cls):
+                raise ValueError(
+                    f"DFlash does not support {cls.__name__} ({option}): it keeps state from call to call, and DFlash "
+                    "calls the logits processors on drafts it may reject, so its output would differ from plain "
+                    f"generate. Drop {option}, or generate without the DFlash drafter.")
 
 
 def _read(*tensors: torch.Tensor) -> list[list[int]]:

@@ -80,7 +80,7 @@ def check_batch(model: PreTrainedModel, logits_processor, per_token_criteria, st
 
 @torch.no_grad()
 def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_ids: torch.LongTensor,
-                 logits_processor, generation_config, model_kwargs: dict, eos: frozenset[int] = frozenset(),
+                 logits_processor, generation_config, model_kwargs: dict, eos: tuple[int, ...] = (),
                  stats: DFlashStats | None = None):
     """Decodes every row of `input_ids` (left-padded, `model_kwargs["attention_mask"]`) until its EOS or
     `max_length`; finished rows are padded with the pad token, as plain batched `generate` pads them. Returns
@@ -201,7 +201,7 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
         stats.verify_seconds += now - drafted
 
     pad = generation_config._pad_token_tensor
-    pad = int(pad) if pad is not None else next(iter(eos), 0)
+    pad = int(pad) if pad is not None else eos[0] if eos else 0  # plain generate pads with the first EOS id
     longest = max(len(tokens) for tokens in generated)
     tail = torch.tensor([tokens + [pad] * (longest - len(tokens)) for tokens in generated], device=device,
                         dtype=input_ids.dtype)
@@ -256,7 +256,7 @@ def _context(outputs, generator, kept: int) -> torch.Tensor:
     return torch.cat([hidden_states[i + 1][:, :kept].to(generator.device) for i in generator.target_layer_ids], dim=-1)
 
 
-def _still_running(rows: list[int], generated: list[list[int]], eos: frozenset[int], budget: int):
+def _still_running(rows: list[int], generated: list[list[int]], eos: tuple[int, ...], budget: int):
     """`(rows, keep)`: the rows that go on, and their indices in the current batch (None when all go on)."""
     keep = [i for i, row in enumerate(rows) if len(generated[row]) < budget and generated[row][-1] not in eos]
     if len(keep) == len(rows):

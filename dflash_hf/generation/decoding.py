@@ -25,7 +25,7 @@ from .verify import verify
 
 @torch.no_grad()
 def decode(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_ids: torch.LongTensor, logits_processor,
-           stopping_criteria: StoppingCriteriaList, generation_config, model_kwargs: dict, eos: frozenset[int] = frozenset(),
+           stopping_criteria: StoppingCriteriaList, generation_config, model_kwargs: dict, eos: tuple[int, ...] = (),
            streamer=None, stats: DFlashStats | None = None):
     """Decodes until EOS (one of the `eos` ids), `max_length` or a stopping criterion; `generator` has been `start`ed
     with the prompt. Returns the sequences, or a `DFlashGenerateOutput` under `return_dict_in_generate`."""
