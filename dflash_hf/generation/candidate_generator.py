@@ -28,9 +28,11 @@ import torch
 from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
+from ..hardware import cost_prior
+from ..packed import PackedLinear
 from ..targets import logit_softcap
 from .lookup import ContextLookup
-from .policy import AdaptiveVerifyLength, CopyPolicy, Plan, StepCosts, StepPlanner, cost_prior
+from .policy import AdaptiveVerifyLength, CopyPolicy, Plan, StepCosts, StepPlanner
 
 # How drafts are proposed under `do_sample=True` (all three are exact):
 # - "sample": a draw from the drafter's q; rejection sampling accepts it with prob min(1, p(d) / q(d)).
@@ -144,8 +146,7 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         self.max_drafts = min(verify_length, self.block_size - 1) if bounded else self.block_size - 1
         self.policy = None
         if verify_length == ADAPTIVE and self.max_drafts:
-            weights = target.get_output_embeddings().weight  # the verify forward's dtype and device
-            costs = StepCosts(self.max_drafts, **cost_prior(weights.dtype, weights.device))
+            costs = StepCosts(self.max_drafts, **cost_prior(target))  # the verify forward's, where it runs
             self.policy = AdaptiveVerifyLength(self.max_drafts, costs)
         if generation_config.output_hidden_states:  # the caller asked for every layer
             self.model_kwargs_overrides = {"output_hidden_states": True}
@@ -264,15 +265,18 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
     def _draft_head(self, vocab: list[int] | None):
         """`(ids, rows)`: the drafter's `draft_vocab` and a function computing the lm_head's rows of it (copied once per
         call; a drafter trained on those labels only never needs the other rows), or `(None, the lm_head)`. Only a
-        plain `nn.Linear` head is cut (a quantised one keeps its own forward)."""
+        plain or packed `nn.Linear` head is cut (a quantised one keeps its own forward); a packed head's rows are
+        packed too."""
         head = self.main_model_output_embeddings
-        if not vocab or type(head) is not torch.nn.Linear:
+        if not vocab or type(head) not in (torch.nn.Linear, PackedLinear):
             return None, head
         if vocab[-1] >= head.out_features:
             raise ValueError(f"The drafter's draft_vocab has token id {vocab[-1]}, outside the target's vocabulary "
                              f"({head.out_features} tokens): this drafter was trained for another target.")
         ids = torch.tensor(vocab, device=head.weight.device)
         weight, bias = head.weight.detach()[ids], head.bias.detach()[ids] if head.bias is not None else None
+        if isinstance(head, PackedLinear):
+            return ids, PackedLinear(weight, bias, rows=head.rows)
         return ids, functools.partial(torch.nn.functional.linear, weight=weight, bias=bias)
 
     def _draft_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -22,37 +22,15 @@ from typing import NamedTuple
 
 import torch
 
+from ..hardware import DRAFT, PER_DRAFT
+
 
 def matching_prefix(proposed: list[int], truth: list[int]) -> int:
     """How many leading tokens of `proposed` equal `truth` (at most the shorter length)."""
     return next((i for i, (a, b) in enumerate(zip(proposed, truth)) if a != b), min(len(proposed), len(truth)))
 
 
-# Prior costs, in plain steps (StepCosts): the drafter's forward, and each verified draft's extra in the target's.
-DRAFT, PER_DRAFT = 0.3, 0.05
-# The same where bfloat16 matmuls of more than one row are emulated (a CPU without AVX512-BF16 or AMX: SmolLM2-135M's
-# forward over 1/2/4/8/16 tokens took 37/49/77/134/253 ms on an AVX2-only EPYC, each row 0.36-0.39 of a token's
-# step); the drafter's forward there (two layers and a 15,360-row head over 16 rows) estimated from those figures.
-EMULATED_DRAFT, EMULATED_PER_DRAFT = 0.8, 0.38
-
-
-def native_cpu_bf16() -> bool:
-    """Whether this CPU computes bfloat16 matmuls natively (AVX512-BF16 or AMX)."""
-    # torch exposes the CPU's bf16 support only through these (underscored, but stable since 2.1) probes
-    probes = [getattr(torch.cpu, name, None) for name in ("_is_avx512_bf16_supported", "_is_amx_tile_supported")]
-    return any(probe is not None and probe() for probe in probes)
-
-
-def cost_prior(dtype: torch.dtype, device: torch.device) -> dict:
-    """`StepCosts`' prior shape (`draft`, `per_draft`) for a target in `dtype` on `device`: where every verified
-    row costs nearly a token (bfloat16 on a CPU that emulates it), a prior shaped for a native device would price
-    a plain step from a drafted one's seconds at 2-3 times its cost, and the policy would never try one to learn
-    better; the prior shaped by the hardware lets it fall back to plain steps where drafting does not pay."""
-    if torch.device(device).type == "cpu" and dtype == torch.bfloat16 and not native_cpu_bf16():
-        return {"draft": EMULATED_DRAFT, "per_draft": EMULATED_PER_DRAFT}
-    return {"draft": DRAFT, "per_draft": PER_DRAFT}
-
-
+# The prior step costs, in plain steps (`StepCosts`), are the hardware's: `hardware.cost_prior` (calibrated per CPU).
 
 
 class StepCosts:
@@ -285,7 +263,7 @@ class CopyPolicy:
 
     def __init__(self, max_copy: int, drafts: AdaptiveVerifyLength | None = None):
         self.drafts = drafts
-        # a copied token costs the verify forward what a draft does (the hardware's price, `cost_prior`)
+        # a copied token costs the verify forward what a draft does (the hardware's price, `hardware.cost_prior`)
         per_draft = drafts.costs.per_draft if drafts is not None else PER_DRAFT
         self.stats = AdaptiveVerifyLength(
             max_copy, StepCosts(max_copy, draft=0.0, per_draft=per_draft,
@@ -403,5 +381,4 @@ class StepPlanner:
             self.copies.score_passed_over(committed[self.copies.passed_over[0][0] :])
 
 
-__all__ = ["DRAFT", "EMULATED_DRAFT", "EMULATED_PER_DRAFT", "PER_DRAFT", "AdaptiveVerifyLength", "CopyPolicy", "Plan", "StepCosts",
-           "StepPlanner", "cost_prior", "matching_prefix", "native_cpu_bf16"]
+__all__ = ["AdaptiveVerifyLength", "CopyPolicy", "Plan", "StepCosts", "StepPlanner", "matching_prefix"]
