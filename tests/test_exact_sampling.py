@@ -23,7 +23,7 @@ from transformers import LogitsProcessorList, StoppingCriteria, StoppingCriteria
 
 import dflash_hf
 from dflash_hf.generation import candidate_generator, decoding, policy, verify
-from tiny import OracleDrafter, drafter, qwen3_target
+from tiny import BatchOracleDrafter, OracleDrafter, drafter, qwen3_target
 
 TOLERANCE = 1e-6
 
@@ -290,3 +290,41 @@ def test_a_draft_vocabulary_keeps_sampling_exact(target, enumerator, monkeypatch
     processors = LogitsProcessorList([SuppressTokensLogitsProcessor([0, 2])]) if suppressed else None
     assert_same_distribution(actual, plain_distribution(target, PROMPT, 3, processors))
     assert suppressed or any(s.accepted_tokens > 0 for s in stats)
+
+
+@pytest.mark.parametrize("proposal", ("sample", "argmax"))
+def test_a_ragged_batch_is_exactly_plain_sampling_row_by_row(enumerator, proposal):
+    """Two left-padded rows of different lengths, four tokens each (three with drafts drawn from q) over a
+    vocabulary of two: every outcome of every
+    draw enumerated, the batch's joint distribution must be the product of each row's plain sampling alone. Rows
+    accept different numbers of drafts in one step (ragged acceptance, the holes of generation/batched.py), which
+    some replays check; the rejection rule is run on the batch's rows at once."""
+    model = qwen3_target(seed=2, vocab_size=2, num_hidden_layers=2)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(4.0)
+    model.generation_config.pad_token_id, model.generation_config.eos_token_id = 0, None
+    dflash_hf.enable(model, proposal=proposal, verify_length=None, lookup=None)
+    prompts = [PROMPT[:, :8] % 2, PROMPT[:, 3:8] % 2]
+    ids = torch.zeros(2, 8, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for row, prompt in enumerate(prompts):
+        ids[row, 8 - prompt.shape[1] :], mask[row, 8 - prompt.shape[1] :] = prompt[0], 1
+    layers = model.config.num_hidden_layers
+    assistant = drafter(0, cls=BatchOracleDrafter, block_size=3, vocab_size=2, num_target_layers=layers,
+                        dflash_config={"mask_token_id": 0, "target_layer_ids": [0, layers - 1]})
+    assistant.logit_scale = 1.0  # q spread over both tokens, leaning to each row's greedy continuation
+    assistant.arm([model.generate(prompt, do_sample=False, max_new_tokens=8)[0] for prompt in prompts], model)
+    num_tokens, stats = {"argmax": 4, "sample": 3}[proposal], []  # (drafts drawn too: 10x the replays a token)
+
+    def call():
+        out = model.generate(ids, attention_mask=mask, do_sample=True, max_new_tokens=num_tokens,
+                             assistant_model=assistant, return_dict_in_generate=True)
+        stats.append(out.dflash_stats)
+        return tuple(tuple(row) for row in out.sequences[:, ids.shape[1]:].tolist())
+
+    actual = enumerator.run(call)
+    alone = [plain_distribution(model, prompt, num_tokens) for prompt in prompts]
+    expected = {(a, b): pa * pb for a, pa in alone[0].items() for b, pb in alone[1].items()}
+    assert_same_distribution(actual, expected)
+    assert any(s.rows[0].acceptance_lengths[0] != s.rows[1].acceptance_lengths[0] for s in stats)  # ragged
+    assert any(s.rows[0].acceptance_lengths[0] == num_tokens - 1 for s in stats)  # every draft of a step accepted
