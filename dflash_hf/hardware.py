@@ -279,6 +279,13 @@ def cost_prior(model) -> dict:
     return {"draft": DRAFT, "per_draft": PER_DRAFT}
 
 
+def plain_paths(device: str | None = None) -> list[tuple[str, bool]]:
+    """`(dtype, packed)` of every plain configuration demo and bench time: each of `plain_dtypes`, eager and (on a
+    CPU with the ops) packed, so that a speedup is over the fastest thing a user could run."""
+    packs = (False, True) if not runs_on_cuda(device) and (device or "cpu") == "cpu" and packed_ops_available() else (False,)
+    return [(dtype, packed) for dtype in plain_dtypes(device) for packed in packs]
+
+
 def plain_dtypes(device: str | None = None) -> list[str]:
     """The dtypes plain `generate` is timed in (besides DFlash's own) to find the fastest plain configuration:
     float32 and bfloat16 on a CPU (either can be the faster there); on a GPU its half-precision type alone
@@ -290,4 +297,4 @@ def plain_dtypes(device: str | None = None) -> list[str]:
 
 __all__ = ["CPU_FLAGS", "cache_dir", "cached_calibration", "calibrate", "calibration_file", "cost_prior", "cpu_features",
            "describe_calibration", "describe_cpu", "describe_device", "fastest_paths", "machine_key", "native_cpu_bf16",
-           "plain_dtypes", "resolve_dtype", "runs_on_cuda", "target_key", "time_forwards", "use_packed"]
+           "plain_dtypes", "plain_paths", "resolve_dtype", "runs_on_cuda", "target_key", "time_forwards", "use_packed"]

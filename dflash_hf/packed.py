@@ -116,4 +116,11 @@ def is_packed(model: nn.Module) -> bool:
     return any(isinstance(module, PackedLinear) for module in model.modules())
 
 
-__all__ = ["PACKED_DTYPES", "PackedLinear", "is_packed", "pack_linears", "packed_ops_available", "unpack_linears"]
+def path_name(model: nn.Module) -> str:
+    """How `model` computes: its dtype, and `packed` where its linears are (`"bfloat16 packed"`, `"float32"`)."""
+    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+    return f"{dtype} packed" if is_packed(model) else dtype
+
+
+__all__ = ["PACKED_DTYPES", "PackedLinear", "is_packed", "pack_linears", "packed_ops_available", "path_name",
+           "unpack_linears"]

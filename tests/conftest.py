@@ -13,3 +13,14 @@ os.environ.setdefault("TRITON_INTERPRET", "1")
 # Tiny models gain nothing from intra-op threads, and on a loaded 2-core machine OpenMP's spinning
 # threads made each forward ~60x slower.
 torch.set_num_threads(1)
+
+
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _own_calibration_file(monkeypatch, tmp_path):
+    """Each test reads and writes its own CPU calibration (`dflash_hf.hardware`), never the user's cached one."""
+    from dflash_hf import hardware
+
+    monkeypatch.setattr(hardware, "calibration_file", lambda: tmp_path / "calibration.json")

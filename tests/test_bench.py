@@ -7,6 +7,7 @@ import torch
 
 import tiny
 from dflash_hf import bench, cli
+from dflash_hf.packed import packed_ops_available
 
 
 def _script(target, prompt, new):
@@ -201,9 +202,13 @@ def test_cli_bench_times_plain_generate_in_every_dtype(tmp_path, capsys):
     tiny.drafter(0, block_size=4).save_pretrained(tmp_path / "drafter")
     (tmp_path / "prompts.jsonl").write_text('{"prompt": "a b c a b c"}\n')
     code = cli.main(["bench", "--target", str(tmp_path / "target"), "--drafter", str(tmp_path / "drafter"),
-                     "--dtype", "float32", "--prompts", str(tmp_path / "prompts.jsonl"), "--max-new-tokens", "8",
-                     "--verify-lengths", "--no-progress", "--no-chat-template", "--output", str(tmp_path / "b.json")])
+                     "--dtype", "float32", "--packed", "off", "--prompts", str(tmp_path / "prompts.jsonl"),
+                     "--max-new-tokens", "8", "--verify-lengths", "--no-progress", "--no-chat-template",
+                     "--output", str(tmp_path / "b.json")])
     assert code == 0
     result = json.loads((tmp_path / "b.json").read_text())
-    assert result["dtype"] == "float32" and {"plain float32", "plain bfloat16", "lookup bfloat16"} <= set(result["alternatives"])
+    assert result["dtype"] == "float32"
+    # every plain configuration a user could run: each dtype, eager and on the packed fast path
+    paths = {"float32", "float32 packed", "bfloat16", "bfloat16 packed"} if packed_ops_available() else {"float32", "bfloat16"}
+    assert {f"plain {path}" for path in paths} | {"lookup bfloat16"} <= set(result["alternatives"])
     assert result["device"] and "fastest plain" in capsys.readouterr().out

@@ -24,10 +24,14 @@ def test_demo_streams_and_reports(pair, capsys):
     out = capsys.readouterr().out
     assert code == 0
     # copies from the context are on by default (`--lookup 0`: DFlash alone)
+    # plain generate in each dtype, eager and on the packed fast path (DFlash's own configuration first)
+    paths = r"(float32 packed|float32|bfloat16 packed|bfloat16)"
     assert re.search(r"12 tokens, tau \d\.\d\d over \d+ target forwards \(\d+ of them verified copies from the context\); "
-                     r"speedup over the fastest plain greedy generate \((float32|bfloat16)\) \d+\.\d\dx "
-                     r"\(DFlash [\d.]+ tok/s in (\w+); plain float32 [\d.]+ tok/s, bfloat16 [\d.]+ tok/s\); "
+                     rf"speedup over the fastest plain greedy generate \({paths}\) \d+\.\d\dx "
+                     r"\(DFlash [\d.]+ tok/s in (float32 packed|float32); plain \2 [\d.]+ tok/s, "
+                     r"(float32|float32 packed) [\d.]+ tok/s, bfloat16 [\d.]+ tok/s, bfloat16 packed [\d.]+ tok/s\); "
                      r"identical output to plain \2: True\n", out)
+    assert "calibrating this CPU for qwen3" in out and "calibrated in" in out  # said aloud, once
     assert re.search(r"^on .*threads\)$", out.rstrip().splitlines()[-1])  # the CPU the figures were measured on
     assert out.split("\n")[0].strip()  # the streamed answer comes first
     main(["demo", *pair, "--prompt", "write fib", "--max-new-tokens", "12", "--lookup", "0"])

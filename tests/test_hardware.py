@@ -44,7 +44,6 @@ def _calibrated(monkeypatch, tmp_path, ms, width=8):
     """A calibration file holding `ms` for the tiny Llama's shape on this machine; returns the target."""
     from tiny import TARGETS
 
-    monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path))
     target = TARGETS["llama"](seed=0)
     entry = {"width": width, "ms": ms, "seconds": 1.0}
     path = hardware.calibration_file()
@@ -89,7 +88,6 @@ def test_the_calibrated_prior_prices_what_was_measured(monkeypatch, tmp_path):
 def test_calibrate_times_each_dtype_and_path_and_caches_the_figures(monkeypatch, tmp_path):
     from tiny import TARGETS
 
-    monkeypatch.setenv("DFLASH_HF_CACHE", str(tmp_path))
     config = TARGETS["qwen3"](seed=0).config
     loaded, said = [], []
     entry = hardware.calibrate(config, lambda dtype: loaded.append(dtype) or TARGETS["qwen3"](seed=0).to(
