@@ -37,6 +37,9 @@ def _add_target(parser: argparse.ArgumentParser, packed: bool = False) -> None:
     parser.add_argument("--device", default=None, help="e.g. cpu, cuda (default: where transformers loads it)")
     if packed:
         parser.add_argument("--packed", choices=("auto", "on", "off"), default="auto", help=PACKED_HELP)
+        parser.add_argument("--recalibrate", action="store_true",
+                            help="time this CPU's forwards again (the calibration is cached; one taken while the "
+                                 "machine was busy misleads --dtype auto and --packed auto)")
 
 
 def _load_for_decoding(args: argparse.Namespace):
@@ -45,8 +48,9 @@ def _load_for_decoding(args: argparse.Namespace):
     from . import embedded
 
     packed = {"auto": "auto", "on": True, "off": False}[args.packed]
+    calibrate = "again" if args.recalibrate else args.dtype == "auto" or packed == "auto"
     return embedded.load_target(args.target, dtype=args.dtype, device=args.device, packed=packed,
-                                calibrate=args.dtype == "auto" or packed == "auto", say=print)
+                                calibrate=calibrate, say=print)
 
 
 def _plain_targets(args: argparse.Namespace, target, dtypes: list[str] | None = None) -> dict:

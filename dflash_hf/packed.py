@@ -11,7 +11,7 @@ AVX512-BF16: a pack made for 8 rows runs 1 to 32 rows; in float32 a pack made fo
 
 `pack_linears(model)` swaps each `nn.Linear` for a `PackedLinear` holding the same `Parameter`s (tied weights
 stay tied, `state_dict` is unchanged) plus the packed copy: one more copy of the linear weights in memory
-(SmolLM2-135M: +0.54 GB in float32, +0.27 GB in bfloat16, its tied lm_head included). `unpack_linears` undoes
+(`packed_bytes`; SmolLM2-135M: +0.54 GB in float32, +0.27 GB in bfloat16, its tied lm_head included). `unpack_linears` undoes
 it. A `PackedLinear` computes eagerly (`F.linear`) wherever the packed op does not apply: off the CPU, in
 another dtype than float32/bfloat16, when gradients are needed, and on a torch whose private oneDNN ops are
 missing (`PACKED_OPS`); its packed copy is redone when the weight changes (a `.to()`, an optimizer step).
@@ -88,18 +88,29 @@ class PackedLinear(nn.Linear):
 
 
 def pack_linears(model: nn.Module, rows: int = 8) -> nn.Module:
-    """Swaps every `nn.Linear` of `model` (in place) for a `PackedLinear` on the same parameters; returns `model`.
+    """Swaps every `nn.Linear` of `model` (in place) for a `PackedLinear` on the same parameters, packs the CPU
+    ones now (`packed_bytes` tells the memory it took), and returns `model`.
 
-    The switch of the CPU fast path, for plain `generate` and DFlash alike (a drafter packs the same way). Packing
-    happens at each layer's first CPU forward (SmolLM2-135M: ~0.2 s in all). `rows`: the verify width the layout
-    is chosen for (the drafter's block size). Raises `TypeError` for something that is not an `nn.Module`."""
+    The switch of the CPU fast path, for plain `generate` and DFlash alike (DFlash packs a drafter with its
+    packed target). `rows`: the verify width the layout is chosen for (8, the shipped drafter's block). Raises
+    `TypeError` for something that is not an `nn.Module`."""
     if not isinstance(model, nn.Module):
         raise TypeError(f"pack_linears takes an nn.Module (a transformers model), got {type(model).__name__}")
     for parent in list(model.modules()):
         for name, child in list(parent.named_children()):
             if type(child) is nn.Linear:  # exactly: quantised or otherwise special linears keep their own forward
                 setattr(parent, name, PackedLinear.from_linear(child, rows))
+    for module in model.modules():
+        weight = getattr(module, "weight", None)
+        if isinstance(module, PackedLinear) and weight.device.type == "cpu" and weight.dtype in PACKED_DTYPES and (
+                packed_ops_available()):
+            module.packed_weight()
     return model
+
+
+def packed_bytes(model: nn.Module) -> int:
+    """Bytes held by `model`'s packed weight copies (the fast path's memory, on top of the weights)."""
+    return sum(m._packed.nbytes for m in model.modules() if isinstance(m, PackedLinear) and m._packed is not None)
 
 
 def unpack_linears(model: nn.Module) -> nn.Module:
@@ -122,5 +133,5 @@ def path_name(model: nn.Module) -> str:
     return f"{dtype} packed" if is_packed(model) else dtype
 
 
-__all__ = ["PACKED_DTYPES", "PackedLinear", "is_packed", "pack_linears", "packed_ops_available", "path_name",
+__all__ = ["PACKED_DTYPES", "PackedLinear", "is_packed", "pack_linears", "packed_bytes", "packed_ops_available", "path_name",
            "unpack_linears"]

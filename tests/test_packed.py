@@ -9,6 +9,7 @@ import torch.nn.functional as F
 import dflash_hf
 from dflash_hf import packed
 from dflash_hf.packed import PackedLinear, is_packed, pack_linears, unpack_linears
+from test_hybrid import hybrid_target
 from tiny import MASK_ID, TARGETS, OracleDrafter, drafter
 
 needs_ops = pytest.mark.skipif(not packed.packed_ops_available(), reason="this torch has no oneDNN packed linears")
@@ -71,6 +72,9 @@ def test_pack_and_unpack_keep_the_parameters_and_their_ties():
     linears = sum(type(module) is torch.nn.Linear for module in target.modules())
     pack_linears(target)
     assert is_packed(target) and sum(isinstance(m, PackedLinear) for m in target.modules()) == linears
+    if packed.packed_ops_available():  # packed now, once: one more copy of every linear weight (the tied head's too)
+        weights = sum(m.weight.nbytes for m in target.modules() if isinstance(m, PackedLinear))
+        assert weights <= packed.packed_bytes(target) <= 1.25 * weights  # (a blocked layout may pad)
     assert target.get_output_embeddings().weight is target.get_input_embeddings().weight  # still tied
     after = target.state_dict()
     assert after.keys() == before.keys() and all(torch.equal(after[name], before[name]) for name in before)
@@ -82,20 +86,21 @@ def test_pack_and_unpack_keep_the_parameters_and_their_ties():
 
 
 @pytest.mark.parametrize("ops", (True, False), ids=("packed", "eager-fallback"))
-@pytest.mark.parametrize("family", ("qwen3", "llama"))
+@pytest.mark.parametrize("family", ("qwen3", "llama", "gemma4", "qwen3.5-hybrid"))
 def test_a_packed_target_decodes_as_the_unpacked_one(monkeypatch, family, ops):
+    """Every family, sliding windows (Gemma-4) and linear-attention layers (the hybrid) included: their linears
+    pack; attention, convolutions and recurrent states stay eager."""
     if ops and not packed.packed_ops_available():
         pytest.skip("this torch has no oneDNN packed linears")
     if not ops:
         monkeypatch.setattr(packed, "packed_ops_available", lambda: False)
     prompt = torch.randint(0, MASK_ID, (1, 12), generator=torch.Generator().manual_seed(1))
-    target = dflash_hf.enable(TARGETS[family](seed=0))
+    target = dflash_hf.enable(hybrid_target(0) if family == "qwen3.5-hybrid" else TARGETS[family](seed=0))
     expected = target.generate(prompt, max_new_tokens=24, do_sample=False)
     oracle = drafter(0, cls=OracleDrafter).arm(expected, target.get_output_embeddings(), wrong_every=3)
     cut = drafter(1)
     cut.config.dflash_config["draft_vocab"] = list(range(0, MASK_ID, 2))  # its rows of the lm_head are packed too
-    for model in (target, oracle, cut):
-        pack_linears(model)
+    pack_linears(target)  # the drafters follow their packed target on their own
     widths = []
     forward = PackedLinear.forward
     monkeypatch.setattr(PackedLinear, "forward", lambda self, x: widths.append(self.out_features) or forward(self, x))
@@ -105,4 +110,5 @@ def test_a_packed_target_decodes_as_the_unpacked_one(monkeypatch, family, ops):
             dflash = target.generate(prompt, max_new_tokens=24, do_sample=False, assistant_model=model)
             assert torch.equal(dflash, expected), type(model).__name__
     assert oracle.last_stats.num_target_forwards < 16  # drafts were verified, several tokens a forward
+    assert is_packed(oracle) and is_packed(cut)
     assert len(cut.config.draft_vocab) in widths  # the drafter's head ran packed (on its draft vocabulary)

@@ -29,7 +29,7 @@ from transformers import GenerationConfig, LogitsProcessorList, PreTrainedModel
 from transformers.generation.candidate_generator import DFlashTokenCandidateGenerator
 
 from ..hardware import cost_prior
-from ..packed import PackedLinear
+from ..packed import PackedLinear, is_packed, pack_linears
 from ..targets import logit_softcap
 from .lookup import ContextLookup
 from .policy import AdaptiveVerifyLength, CopyPolicy, Plan, StepCosts, StepPlanner
@@ -141,6 +141,8 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         )
         self.softcap = logit_softcap(target)
         self.proposal = proposal
+        if is_packed(target) and not is_packed(drafter):  # the drafter takes its target's CPU fast path too
+            pack_linears(drafter, rows=drafter.config.block_size)
         self.draft_vocab, self.draft_head = self._draft_head(getattr(drafter.config, "draft_vocab", None))
         bounded = verify_length not in (None, ADAPTIVE)
         self.max_drafts = min(verify_length, self.block_size - 1) if bounded else self.block_size - 1
