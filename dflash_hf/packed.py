@@ -13,11 +13,13 @@ AVX512-BF16: a pack made for 8 rows runs 1 to 32 rows; in float32 a pack made fo
 stay tied, `state_dict` is unchanged) plus the packed copy: one more copy of the linear weights in memory
 (`packed_bytes`; SmolLM2-135M: +0.54 GB in float32, +0.27 GB in bfloat16, its tied lm_head included). `unpack_linears` undoes
 it. A `PackedLinear` computes eagerly (`F.linear`) wherever the packed op does not apply: off the CPU, in
-another dtype than float32/bfloat16, when gradients are needed, and on a torch whose private oneDNN ops are
-missing (`PACKED_OPS`); its packed copy is redone when the weight changes (a `.to()`, an optimizer step).
+another dtype than float32/bfloat16, when gradients are needed, inside a `torch.compile` graph, and on a torch
+whose private oneDNN ops are missing (`packed_ops_available`); its packed copy is redone when the weight changes (a `.to()`, an optimizer step).
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -28,10 +30,14 @@ PACKED_DTYPES = (torch.float32, torch.bfloat16)
 
 def packed_ops_available() -> bool:
     """Whether this torch has oneDNN's packed-linear ops (private: `torch.ops.mkldnn._reorder_linear_weight` and
-    `_linear_pointwise`, stable since torch 2.0 but not promised)."""
-    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-        return False
-    return all(hasattr(torch.ops.mkldnn, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
+    `_linear_pointwise`, stable since torch 2.0 but not promised) and oneDNN is on."""
+    return torch.backends.mkldnn.enabled and _ops_present()
+
+
+@functools.cache  # asked at every forward: the ops do not come and go within a process
+def _ops_present() -> bool:
+    return torch.backends.mkldnn.is_available() and all(
+        hasattr(torch.ops.mkldnn, name) for name in ("_reorder_linear_weight", "_linear_pointwise"))
 
 
 class PackedLinear(nn.Linear):
@@ -61,10 +67,13 @@ class PackedLinear(nn.Linear):
 
     def _packs(self, x: torch.Tensor) -> bool:
         weight = self.weight
-        return (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
+        if not (x.device.type == "cpu" and weight.device.type == "cpu" and x.dtype == weight.dtype
                 and weight.dtype in PACKED_DTYPES and x.shape[-1] == self.in_features
-                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-                and packed_ops_available())
+                and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))):
+            return False
+        # Under torch.compile, F.linear: inductor cannot lower the packed op on a weight it did not pack itself
+        # (a LoweringException in torch 2.13), and packs linears itself where `freezing` is on.
+        return not torch.compiler.is_compiling() and packed_ops_available()
 
     def packed_weight(self) -> torch.Tensor:
         """The packed copy, redone when the weight was replaced or changed in place since it was made."""

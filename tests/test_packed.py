@@ -112,3 +112,18 @@ def test_a_packed_target_decodes_as_the_unpacked_one(monkeypatch, family, ops):
     assert oracle.last_stats.num_target_forwards < 16  # drafts were verified, several tokens a forward
     assert is_packed(oracle) and is_packed(cut)
     assert len(cut.config.draft_vocab) in widths  # the drafter's head ran packed (on its draft vocabulary)
+
+
+def test_a_packed_target_compiles_on_a_static_cache():
+    """Inside a torch.compile graph a packed linear computes F.linear (inductor cannot lower the packed op on a
+    weight it did not pack): compiled decoding of a packed target equals its eager decoding."""
+    from transformers import CompileConfig
+
+    target = pack_linears(TARGETS["llama"](seed=0))
+    config = CompileConfig(fullgraph=True)
+    config._compile_all_devices = True  # transformers' switch for compiling decoding on a CPU
+    prompt = torch.randint(0, MASK_ID, (1, 10), generator=torch.Generator().manual_seed(2))
+    expected = target.generate(prompt, max_new_tokens=8, do_sample=False)
+    compiled = target.generate(prompt, max_new_tokens=8, do_sample=False, cache_implementation="static",
+                               compile_config=config)
+    assert torch.equal(compiled, expected)
