@@ -201,11 +201,18 @@ def describe_calibration(entry: dict) -> str:
         + (f" (packing {packing[dtype]:.2f} s)" if dtype in packing else "") for dtype, modes in entry["ms"].items())
 
 
-def _dflash_seconds_per_token(one: float, wide: float) -> float:
+def _draft_steps(one: float, wide: float, width: int) -> float:
+    """The drafter's forward in target steps on a path whose target forwards over 1 and `width` tokens cost `one`
+    and `wide`: `DRAFT` where those were measured (`width` tokens 1 + (width - 1) `PER_DRAFT` steps), scaled like
+    the block's forward (the drafter runs over the block too: where a wide target forward is dear, so is its)."""
+    return DRAFT * (wide / one) / (1 + (width - 1) * PER_DRAFT)
+
+
+def _dflash_seconds_per_token(one: float, wide: float, width: int) -> float:
     """Expected seconds a token of DFlash on a path whose forwards cost `one`/`wide`: a drafted step commits
     `PRIOR_TAU` tokens for the verify forward and the drafter's (which scales like the target's over the block),
     and the adaptive verify length falls back to plain steps where those cost less."""
-    drafted = wide + DRAFT * wide / (1 + (PER_DRAFT * 7))
+    drafted = wide + _draft_steps(one, wide, width) * one
     return min(one, drafted / PRIOR_TAU)
 
 
@@ -214,7 +221,7 @@ def fastest_paths(entry: dict) -> dict:
     cheapest one-token forward) and the path DFlash expects to decode fastest on."""
     paths = [(dtype, mode, one, wide) for dtype, modes in entry["ms"].items() for mode, (one, wide) in modes.items()]
     plain = min(paths, key=lambda path: path[2])
-    dflash = min(paths, key=lambda path: _dflash_seconds_per_token(path[2], path[3]))
+    dflash = min(paths, key=lambda path: _dflash_seconds_per_token(path[2], path[3], entry["width"]))
     return {"plain": plain[:2], "dflash": dflash[:2]}
 
 
@@ -258,7 +265,8 @@ def use_packed(dtype: str, config=None, device: str | None = None) -> bool:
     if entry is None or "packed" not in entry["ms"].get(dtype, {}):
         return True
     modes = entry["ms"][dtype]
-    return _dflash_seconds_per_token(*modes["packed"]) < _dflash_seconds_per_token(*modes["eager"])
+    width = entry["width"]
+    return _dflash_seconds_per_token(*modes["packed"], width) < _dflash_seconds_per_token(*modes["eager"], width)
 
 
 def cost_prior(model) -> dict:
@@ -277,7 +285,7 @@ def cost_prior(model) -> dict:
     if entry is not None and mode in entry["ms"].get(dtype, {}):
         one, wide = entry["ms"][dtype][mode]
         per_draft = max(0.0, (wide - one) / ((entry["width"] - 1) * one))
-        return {"draft": DRAFT * (wide / one) / (1 + PER_DRAFT * 7), "per_draft": per_draft}
+        return {"draft": _draft_steps(one, wide, entry["width"]), "per_draft": per_draft}
     if weight.dtype == torch.bfloat16 and not native_cpu_bf16():
         return {"draft": EMULATED_DRAFT, "per_draft": EMULATED_PER_DRAFT}
     return {"draft": DRAFT, "per_draft": PER_DRAFT}
