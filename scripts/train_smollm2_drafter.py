@@ -190,6 +190,26 @@ def save_responses(cache: Path) -> int:
     return len(examples)
 
 
+def write_source_examples(folder: Path, count: int, chunk_tokens: int = 160, seed: int = 0) -> Path:
+    """`count` teacher-forced examples from the standard library's sources (`source_text_examples`, seed 0), in
+    `folder/source_examples.jsonl.gz`; an existing file made with the same settings is kept (a resumed run trains
+    on the same examples). Not committed: every machine has the text (its Python version's standard library)."""
+    from dflash_hf.training.data import source_text_examples
+
+    path = folder / "source_examples.jsonl.gz"
+    settings = {"count": count, "chunk_tokens": chunk_tokens, "seed": seed, "python": sys.version.split()[0]}
+    record = path.with_name("source_examples.json")
+    if path.is_file() and record.is_file() and json.loads(record.read_text()) == settings:
+        return path
+    folder.mkdir(parents=True, exist_ok=True)
+    examples = source_text_examples(smollm2_tokenizer(), chunk_tokens=chunk_tokens, num_examples=count, seed=seed)
+    with gzip.open(path, "wt", encoding="utf-8") as file:
+        for example in examples:
+            file.write(json.dumps(example) + "\n")
+    record.write_text(json.dumps(settings))
+    return path
+
+
 def latest_step(output_dir: Path) -> int:
     steps = [int(p.name.split("-")[1]) for p in (output_dir / "checkpoints").glob("step-*")]
     return max(steps, default=0)
@@ -202,6 +222,10 @@ def main(argv=None) -> int:
     parser.add_argument("--steps-per-round", type=int, default=400)
     parser.add_argument("--ship", action="store_true", help="copy the drafter into dflash_hf/assets when it beats it")
     parser.add_argument("--ship-threshold", type=float, default=1.5, help="never ship below this held-out tau")
+    parser.add_argument("--source-examples", type=int, default=0,
+                        help="mix N teacher-forced pieces of the standard library's sources into the answers "
+                             "(data.source_text_examples; written to <output-dir>/data/source_examples.jsonl.gz)")
+    parser.add_argument("--source-chunk-tokens", type=int, default=160, help="tokens a source piece (about)")
     parser.add_argument("--save-responses", action="store_true",
                         help=f"only write the run's response cache to {RESPONSES.name} (also while it is being generated)")
     args, passthrough = parser.parse_known_args(argv)
@@ -218,6 +242,9 @@ def main(argv=None) -> int:
     output_dir.mkdir(parents=True, exist_ok=True)
     prompt_file = output_dir / "prompts.jsonl"
     prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in training_prompts()))
+    if args.source_examples:
+        passthrough = ["--extra-examples", str(write_source_examples(output_dir / "data", args.source_examples,
+                                                                     args.source_chunk_tokens)), *passthrough]
     curve = output_dir / "tau_curve.jsonl"
     # A fresh machine (no checkpoint in --output-dir) continues from the shipped drafter's weights.
     warm_start = ["--init-from", str(ASSETS)] if (ASSETS / "model.safetensors").is_file() else []

@@ -78,3 +78,35 @@ def test_a_run_keeps_its_best_round_although_checkpoints_rotate(tmp_path, monkey
     assert (run / "best" / "model.safetensors").read_text() == "weights of step 20"
     assert script.held_out_score(run / "best") == 2.1 + 1.4
     assert {p.name for p in (run / "best").iterdir()} == set(script.BEST_FILES)
+
+
+def test_source_examples_are_written_once_per_setting_and_passed_to_training(tmp_path, monkeypatch):
+    import tiny
+    from dflash_hf.training import data
+
+    source = tmp_path / "src"
+    source.mkdir()
+    (source / "mod.py").write_text("".join(f"value_{i} = {i}\n" for i in range(200)))
+    monkeypatch.setattr(data, "source_files", lambda: [source / "mod.py"])
+    monkeypatch.setattr(script, "smollm2_tokenizer", tiny.tokenizer)
+    folder = tmp_path / "run" / "data"
+    path = script.write_source_examples(folder, 3, chunk_tokens=40)
+    examples = data.load_examples(path)
+    assert len(examples) == 3 and all(sum(e["loss_mask"]) >= 40 for e in examples)
+    stamp = path.stat().st_mtime_ns
+    assert script.write_source_examples(folder, 3, chunk_tokens=40) == path and path.stat().st_mtime_ns == stamp
+    assert len(data.load_examples(script.write_source_examples(folder, 5, chunk_tokens=40))) == 5  # new settings
+
+    calls = []
+
+    def train(argv):
+        calls.append(argv)
+        return 1  # stop after the first round's training call
+
+    monkeypatch.setattr(script, "cli_main", train)
+    monkeypatch.setattr(script, "training_prompts", lambda: ["a prompt"])
+    monkeypatch.setattr(script, "RESPONSES", tmp_path / "no-responses.jsonl.gz")
+    assert script.main(["--output-dir", str(tmp_path / "run"), "--source-examples", "5",
+                        "--source-chunk-tokens", "40"]) == 1
+    argv = calls[0]
+    assert argv[argv.index("--extra-examples") + 1] == str(path)

