@@ -54,8 +54,10 @@ from pathlib import Path
 
 from dflash_hf.cli import main as cli_main
 from dflash_hf.evaluation import PROSE_REQUESTS
-from dflash_hf.training.data import (MORE_CITY_TEMPLATES, MORE_PROSE_TEMPLATES, docstring_prompts, load_responses,
-                                     prose_requests, vocabulary_words, word_requests)
+from dflash_hf.training.data import (MORE_CITY_TEMPLATES, MORE_PACKAGE_MODULES, MORE_PROSE_TEMPLATES,
+                                     MORE_STDLIB_MODULES, PACKAGE_MODULES, STDLIB_MODULES, CITY_TEMPLATES,
+                                     PROSE_TEMPLATES, docstring_prompts, load_responses, prose_requests,
+                                     vocabulary_words, word_requests)
 
 RECIPE = [
     "--target", "smollm2",
@@ -86,6 +88,9 @@ ASSETS = Path(__file__).resolve().parent.parent / "dflash_hf" / "assets" / "smol
 # The target's responses, committed: regenerating them takes hours on two cores, and a fresh machine
 # (or one with other packages, hence other docstring prompts) reuses every response whose prompt it shares.
 RESPONSES = Path(__file__).resolve().parent / "smollm2_responses.jsonl.gz"
+# The second answer set (issue 38: tau against the amount of data): answers to `more_prompts()`, kept apart from
+# the first so that a run can train on 1x, 2x, ... and a later session continues generating where this one stopped.
+MORE_RESPONSES = Path(__file__).resolve().parent / "smollm2_more_responses.jsonl.gz"
 PROSE_EVAL = "prose:10"
 # Requests over the target's most frequent vocabulary words (`word_requests`), after the emoji and city ones.
 WORD_PROMPTS = 1500
@@ -127,6 +132,65 @@ def training_prompts() -> list[str]:
                     seen.add(prompt)
                     prompts.append(prompt)
     return prompts
+
+
+def more_prompts(first: list[str] | None = None) -> list[str]:
+    """The second prompt set, none of them in `training_prompts()` (`first`): docstring prompts of the second module
+    lists (`MORE_STDLIB_MODULES`, `MORE_PACKAGE_MODULES`; two template variants) and a third template variant of
+    the first lists' docstrings, prose requests over the same topics drawn from all the templates (two more
+    draws), and requests over the vocabulary words after the first `WORD_PROMPTS`, held-out words left out. One
+    fixed shuffle of them all, so that any prefix (`--more-prompts N`) mixes the kinds as the whole does."""
+    import random
+
+    excluded = held_out_words()
+    all_prose, all_cities = PROSE_TEMPLATES + MORE_PROSE_TEMPLATES, CITY_TEMPLATES + MORE_CITY_TEMPLATES
+    words = [word for word in vocabulary_words(smollm2_tokenizer()) if word not in excluded]
+    candidates = [*docstring_prompts(seed=0, modules=[*MORE_STDLIB_MODULES, *MORE_PACKAGE_MODULES]),
+                  *docstring_prompts(seed=1, modules=[*MORE_STDLIB_MODULES, *MORE_PACKAGE_MODULES]),
+                  *docstring_prompts(seed=2, modules=[*STDLIB_MODULES, *PACKAGE_MODULES]),
+                  *prose_requests(seed=2, exclude_words=excluded, templates=all_prose, city_templates=all_cities),
+                  *prose_requests(seed=3, exclude_words=excluded, templates=all_prose, city_templates=all_cities),
+                  *word_requests(words[WORD_PROMPTS:], seed=2)]
+    seen = set(training_prompts() if first is None else first)
+    prompts = []
+    for prompt in candidates:
+        if prompt not in seen:
+            seen.add(prompt)
+            prompts.append(prompt)
+    random.Random(38).shuffle(prompts)
+    return prompts
+
+
+def generate_more(output_dir: Path, count: int, batch_size: int = 32, max_new_tokens: int = 160) -> int:
+    """The target's greedy answers to the first `count` of `more_prompts()`, resumable: cached line by line in
+    `<output-dir>/data/more_responses.jsonl` (seeded from `MORE_RESPONSES` on a fresh machine), written to
+    `MORE_RESPONSES` after every `4 * batch_size` new answers and at the end. Plain batched `generate` in bfloat16
+    on the packed path (issue 38's measurement: at 16-32 rows it gave more answer tokens a second on this CPU than
+    batched DFlash, full block or adaptive). Returns the number of answers cached."""
+    from dflash_hf import embedded
+    from dflash_hf.evaluation import encode_prompt
+    from dflash_hf.training.data import build_dataset
+
+    cache = output_dir / "data" / "more_responses.jsonl"
+    if not cache.exists() and MORE_RESPONSES.is_file():
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        cache.write_bytes(gzip.decompress(MORE_RESPONSES.read_bytes()))
+    tokenizer = smollm2_tokenizer()
+    ids = [encode_prompt(tokenizer, prompt) for prompt in more_prompts()[:count]]
+    done = load_responses(cache) if cache.is_file() else {}
+    if all(tuple(i) in done for i in ids):
+        return len(done)
+    target, tokenizer = embedded.load_target("smollm2", dtype="bfloat16", packed=True)
+    stop = {tokenizer.eos_token_id, *([target.generation_config.eos_token_id] if isinstance(
+        target.generation_config.eos_token_id, int) else target.generation_config.eos_token_id or [])} - {None}
+    step = 4 * batch_size
+    for start in range(0, len(ids), step):  # saved to the committed file between slices: a kill loses one slice
+        build_dataset(target, ids[start : start + step], cache, max_new_tokens=max_new_tokens, batch_size=batch_size,
+                      stop_ids=stop, pad_token_id=tokenizer.pad_token_id, progress=False)
+        saved = save_responses(cache, MORE_RESPONSES)
+        print(f"{time.strftime('%H:%M:%S')} {min(start + step, len(ids))}/{len(ids)} prompts done, {saved} answers "
+              f"in {MORE_RESPONSES.name}", flush=True)
+    return save_responses(cache, MORE_RESPONSES)
 
 
 def prose_tau(folder: Path, target: str = "smollm2") -> dict:
@@ -178,16 +242,32 @@ def ship(run: Path) -> None:
     (ASSETS / "README.md").write_text(smollm2_model_card(drafter, metrics=metrics))
 
 
-def save_responses(cache: Path) -> int:
-    """Writes the run's response cache to `RESPONSES` (compressed, one line per prompt); returns the count."""
+def save_responses(cache: Path, path: Path | None = None, exclude: Path | None = None) -> int:
+    """Writes the run's response cache to `path` (default `RESPONSES`; compressed, one line per prompt), leaving
+    out the prompts that the file `exclude` holds (a run on both answer sets keeps each in its own file); returns
+    the count."""
     examples = load_responses(cache)
+    if exclude is not None and exclude.is_file():
+        for key in load_responses_gz(exclude):
+            examples.pop(key, None)
+    path = RESPONSES if path is None else path
     # mtime=0 and the final file name in the header: the same responses give the same bytes, so an unchanged
     # cache makes no diff. Written beside it and renamed: a run killed mid-write once left the committed file empty.
-    partial = RESPONSES.with_name(RESPONSES.name + ".partial")
-    with open(partial, "wb") as raw, gzip.GzipFile(RESPONSES.name, "wb", fileobj=raw, mtime=0) as file:
+    partial = path.with_name(path.name + ".partial")
+    with open(partial, "wb") as raw, gzip.GzipFile(path.name, "wb", fileobj=raw, mtime=0) as file:
         file.write("".join(json.dumps(example) + "\n" for example in examples.values()).encode())
-    partial.replace(RESPONSES)
+    partial.replace(path)
     return len(examples)
+
+
+def load_responses_gz(path: Path) -> dict:
+    """`load_responses` of a compressed file."""
+    import tempfile
+
+    with tempfile.NamedTemporaryFile("wb", suffix=".jsonl") as plain:
+        plain.write(gzip.decompress(path.read_bytes()))
+        plain.flush()
+        return load_responses(plain.name)
 
 
 def write_source_examples(folder: Path, count: int, chunk_tokens: int = 160, seed: int = 0) -> Path:
@@ -226,6 +306,12 @@ def main(argv=None) -> int:
                         help="mix N teacher-forced pieces of the standard library's sources into the answers "
                              "(data.source_text_examples; written to <output-dir>/data/source_examples.jsonl.gz)")
     parser.add_argument("--source-chunk-tokens", type=int, default=160, help="tokens a source piece (about)")
+    parser.add_argument("--generate-more", type=int, default=0, metavar="N",
+                        help=f"only generate the target's answers to the first N of more_prompts() (resumable; "
+                             f"written to {MORE_RESPONSES.name} as they come)")
+    parser.add_argument("--more-prompts", type=int, default=0, metavar="N",
+                        help="train on the first N of more_prompts() besides the first set (their answers generated "
+                             "first where missing; --num-prompts then cuts the first set alone)")
     parser.add_argument("--save-responses", action="store_true",
                         help=f"only write the run's response cache to {RESPONSES.name} (also while it is being generated)")
     args, passthrough = parser.parse_known_args(argv)
@@ -233,15 +319,33 @@ def main(argv=None) -> int:
     # the target training runs on (`--target` passes through to `dflash-hf train`); prose tau is measured on it
     target = next((passthrough[i + 1] for i, arg in enumerate(passthrough[:-1]) if arg == "--target"), "smollm2")
     cache = output_dir / "data" / "responses.jsonl"
+    more_cache = output_dir / "data" / "more_responses.jsonl"
     if args.save_responses:
-        print(f"{save_responses(cache)} responses written to {RESPONSES}")
+        print(f"{save_responses(cache, exclude=MORE_RESPONSES)} responses written to {RESPONSES}")
+        if more_cache.is_file():
+            print(f"{save_responses(more_cache, MORE_RESPONSES)} responses written to {MORE_RESPONSES}")
+        return 0
+    if args.generate_more:
+        print(f"{generate_more(output_dir, args.generate_more)} answers in {MORE_RESPONSES}")
         return 0
     if not cache.exists() and RESPONSES.is_file():  # a fresh machine starts from the committed responses
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_bytes(gzip.decompress(RESPONSES.read_bytes()))
     output_dir.mkdir(parents=True, exist_ok=True)
+    prompts = training_prompts()
+    if args.more_prompts:
+        if "--num-prompts" in passthrough:  # it cuts the first set; the second is cut by --more-prompts
+            at = passthrough.index("--num-prompts")
+            prompts = prompts[: int(passthrough[at + 1])]
+            passthrough = passthrough[:at] + passthrough[at + 2 :]
+        generate_more(output_dir, args.more_prompts)
+        cache.parent.mkdir(parents=True, exist_ok=True)
+        with open(cache, "a", encoding="utf-8") as file:  # the second set's answers join the run's cache
+            answers = load_responses(more_cache) if more_cache.is_file() else {}
+            file.write("".join(json.dumps(example) + "\n" for example in answers.values()))
+        prompts += more_prompts(training_prompts())[: args.more_prompts]
     prompt_file = output_dir / "prompts.jsonl"
-    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in training_prompts()))
+    prompt_file.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
     if args.source_examples:
         passthrough = ["--extra-examples", str(write_source_examples(output_dir / "data", args.source_examples,
                                                                      args.source_chunk_tokens)), *passthrough]
@@ -254,7 +358,7 @@ def main(argv=None) -> int:
                          "--stop-after-steps", str(stop), "--no-progress", *warm_start, *passthrough])
         if code:
             return code
-        save_responses(cache)
+        save_responses(cache, exclude=MORE_RESPONSES)
         metrics_file = output_dir / "training_metrics.json"
         metrics = json.loads(metrics_file.read_text())
         tau = metrics.get("eval", {}).get("mean_tau", 0.0)

@@ -70,7 +70,7 @@ def test_a_run_keeps_its_best_round_although_checkpoints_rotate(tmp_path, monkey
 
     monkeypatch.setattr(script, "prose_tau", prose_tau)
     monkeypatch.setattr(script, "training_prompts", lambda: ["a prompt"])
-    monkeypatch.setattr(script, "save_responses", lambda cache: 0)
+    monkeypatch.setattr(script, "save_responses", lambda cache, *args, **kwargs: 0)
     monkeypatch.setattr(script, "RESPONSES", tmp_path / "no-responses.jsonl.gz")
     run = tmp_path / "run"
     assert script.main(["--output-dir", str(run), "--rounds", "3", "--steps-per-round", "10"]) == 0
@@ -110,3 +110,87 @@ def test_source_examples_are_written_once_per_setting_and_passed_to_training(tmp
                         "--source-chunk-tokens", "40"]) == 1
     argv = calls[0]
     assert argv[argv.index("--extra-examples") + 1] == str(path)
+
+
+def test_responses_of_the_second_set_stay_out_of_the_first_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(script, "RESPONSES", tmp_path / "first.jsonl.gz")
+    records = [{"input_ids": [1, 2, 7], "loss_mask": [0, 0, 1]}, {"input_ids": [3, 8, 9], "loss_mask": [0, 1, 1]}]
+    cache = tmp_path / "responses.jsonl"
+    cache.write_text("".join(json.dumps(r) + "\n" for r in records))
+    (tmp_path / "more.jsonl").write_text(json.dumps(records[1]) + "\n")
+    assert script.save_responses(tmp_path / "more.jsonl", tmp_path / "more.jsonl.gz") == 1
+    assert script.save_responses(cache, exclude=tmp_path / "more.jsonl.gz") == 1
+    assert [json.loads(line) for line in gzip.decompress(script.RESPONSES.read_bytes()).decode().splitlines()] \
+        == records[:1]
+    assert set(script.load_responses_gz(tmp_path / "more.jsonl.gz")) == {(3,)}
+
+
+def _fake_sources(monkeypatch):
+    monkeypatch.setattr(script, "smollm2_tokenizer", lambda: None)
+    monkeypatch.setattr(script, "vocabulary_words", lambda tokenizer: [f"word{i}" for i in range(3000)] + ["forest"])
+    monkeypatch.setattr(script, "docstring_prompts", lambda seed, modules=None: [
+        f"doc {m} {seed} {i}" for m in (modules or ["base"]) for i in range(10)])
+
+
+def test_more_prompts_are_new_mixed_reproducible_and_clear_of_the_held_out_set(monkeypatch):
+    _fake_sources(monkeypatch)
+    first = script.training_prompts()
+    more = script.more_prompts()
+    assert more == script.more_prompts() and len(more) == len(set(more)) > 2000
+    assert not set(more) & set(first)
+    assert "forest" in script.held_out_words() and not any("forest" in prompt.lower() for prompt in more)
+    assert {prompt.split()[0] for prompt in more if prompt.startswith("doc ")} == {"doc"}
+    assert f"doc {script.MORE_STDLIB_MODULES[0]} 0 0" in more and f"doc {script.STDLIB_MODULES[0]} 2 0" in more
+    assert any("word2999" in prompt for prompt in more) and not any("word0 " in p or p.endswith("word0.") for p in more)
+    head = more[:400]  # any prefix mixes the kinds
+    assert any("word" in p for p in head) and any(p.startswith("doc") for p in head) and \
+        any(topic in p for p in head for topic in ("Write", "Describe", "Explain"))
+
+
+def test_generate_more_answers_greedily_resumes_and_writes_the_committed_file(tmp_path, monkeypatch):
+    import tiny
+    import torch
+    from dflash_hf import embedded
+
+    target, tokenizer = tiny.qwen3_target(), tiny.tokenizer()
+    target.generation_config.eos_token_id = None
+    loads = []
+
+    def load_target(name, **kwargs):
+        loads.append(kwargs)
+        return target, tokenizer
+
+    monkeypatch.setattr(embedded, "load_target", load_target)
+    monkeypatch.setattr(script, "smollm2_tokenizer", lambda: tokenizer)
+    prompts = ["abc", "de f", "ghij", "k"]
+    monkeypatch.setattr(script, "more_prompts", lambda first=None: prompts)
+    monkeypatch.setattr(script, "MORE_RESPONSES", tmp_path / "more.jsonl.gz")
+    assert script.generate_more(tmp_path / "run", 2, batch_size=1, max_new_tokens=5) == 2
+    assert loads == [{"dtype": "bfloat16", "packed": True}]
+    saved = script.load_responses_gz(script.MORE_RESPONSES)
+    from dflash_hf.evaluation import encode_prompt
+
+    for prompt in prompts[:2]:
+        ids = encode_prompt(tokenizer, prompt)
+        greedy = target.generate(torch.tensor([ids]), max_new_tokens=5, do_sample=False)[0].tolist()
+        assert saved[tuple(ids)]["input_ids"] == greedy
+    lines = (tmp_path / "run" / "data" / "more_responses.jsonl").read_text().splitlines()
+    assert script.generate_more(tmp_path / "run", 2, batch_size=1, max_new_tokens=5) == 2 and len(loads) == 1
+    assert script.generate_more(tmp_path / "run", 4, batch_size=1, max_new_tokens=5) == 4  # two more generated
+    assert (tmp_path / "run" / "data" / "more_responses.jsonl").read_text().splitlines()[:2] == lines
+    # a fresh machine starts from the committed file
+    assert script.generate_more(tmp_path / "fresh", 4, batch_size=1, max_new_tokens=5) == 4 and len(loads) == 2
+
+
+def test_more_prompts_join_the_first_set_cut_by_num_prompts(tmp_path, monkeypatch):
+    calls = []
+    monkeypatch.setattr(script, "training_prompts", lambda: ["p1", "p2", "p3"])
+    monkeypatch.setattr(script, "more_prompts", lambda first=None: ["m1", "m2", "m3"])
+    monkeypatch.setattr(script, "generate_more", lambda output_dir, count: calls.append(("generate", count)))
+    monkeypatch.setattr(script, "cli_main", lambda argv: calls.append(argv) or 1)
+    monkeypatch.setattr(script, "RESPONSES", tmp_path / "none.jsonl.gz")
+    run = tmp_path / "run"
+    assert script.main(["--output-dir", str(run), "--more-prompts", "2", "--num-prompts", "2"]) == 1
+    assert calls[0] == ("generate", 2) and "--num-prompts" not in calls[1]
+    assert [json.loads(line)["prompt"] for line in (run / "prompts.jsonl").read_text().splitlines()] \
+        == ["p1", "p2", "m1", "m2"]
