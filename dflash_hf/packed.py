@@ -1,20 +1,21 @@
 """Packed linear weights: a CPU forward over k tokens at what the weights' bytes cost, not k skinny GEMMs.
 
-On a CPU, eager `F.linear` over a few rows re-reads and re-lays-out the weight for every call, so a verify
-forward over 8-16 tokens costs 2-3.5 one-token forwards (SmolLM2-135M, 2 cores) although both stream the
-same weights. oneDNN computes from a weight reordered once into its blocked layout instead: the op pair
-inductor's `freezing` pass emits for CPU linears (`mkldnn._reorder_linear_weight` to pack,
-`mkldnn._linear_pointwise` to multiply), called here without a compiler, so there is no compile time, no graph
-per width and no static cache to size. One pack serves every row count (measured on an AMD EPYC with
-AVX512-BF16: a pack made for 8 rows runs 1 to 32 rows; in float32 a pack made for 1 row is 1.5-2x slower at
-8-16 rows, hence the `rows` hint).
+Eager `F.linear` on a CPU runs a few rows far below what streaming the weight once costs: SmolLM2-135M's
+lm_head (576 x 49,152) took 9.7 ms for 1 row and 15.2 for 8 in float32 (bfloat16 3.2 and 5.3) on an AMD EPYC
+with AVX512-BF16, so a verify forward over 8 tokens cost 1.6x a token's there and 2.2-3.5x on other CPUs.
+oneDNN multiplies by a weight reordered once into its blocked layout: 4.1 and 4.3 ms (bfloat16 1.7 and 2.0).
+That is the op pair inductor's `freezing` pass emits for CPU linears (`mkldnn._reorder_linear_weight` to pack,
+`mkldnn._linear_pointwise` to multiply), called here without a compiler: no compile time, no graph per width,
+no static cache to size. One pack serves every row count (a pack made for 8 rows ran 1 to 32 rows at full
+speed there; in float32 one made for 1 row was 1.5-2x slower at 8-16 rows, hence the `rows` hint).
 
 `pack_linears(model)` swaps each `nn.Linear` for a `PackedLinear` holding the same `Parameter`s (tied weights
 stay tied, `state_dict` is unchanged) plus the packed copy: one more copy of the linear weights in memory
-(`packed_bytes`; SmolLM2-135M: +0.54 GB in float32, +0.27 GB in bfloat16, its tied lm_head included). `unpack_linears` undoes
-it. A `PackedLinear` computes eagerly (`F.linear`) wherever the packed op does not apply: off the CPU, in
-another dtype than float32/bfloat16, when gradients are needed, inside a `torch.compile` graph, and on a torch
-whose private oneDNN ops are missing (`packed_ops_available`); its packed copy is redone when the weight changes (a `.to()`, an optimizer step).
+(`packed_bytes`; SmolLM2-135M: +513 MiB in float32, +256 MiB in bfloat16, its tied lm_head included).
+`unpack_linears` undoes it. A `PackedLinear` computes `F.linear` wherever the packed op does not apply: off the
+CPU, in another dtype than float32/bfloat16, when gradients are needed, inside a `torch.compile` graph, and on
+a torch whose private oneDNN ops are missing (`packed_ops_available`); its packed copy is redone when the
+weight changes (a `.to()`, an optimizer step).
 """
 
 from __future__ import annotations
