@@ -5,8 +5,8 @@ self-contained `modeling_dflash.py`: vLLM, SGLang and z-lab's code load it uncha
 and `custom_generate/generate.py`, which transformers runs for
 `target.generate(..., custom_generate=<folder or repo>, trust_remote_code=True)` with no dflash-hf
 installed. That file is not maintained by hand: it is assembled from this package's own decoding
-modules (`targets.py` and `generation/`'s `policy.py`, `lookup.py`, `verify.py`, `stats.py`,
-`candidate_generator.py`, `decoding.py`, `batched.py`, `api.py`, in that order, imports merged), so it is the same
+modules (`packed.py`, `hardware.py`, `targets.py` and `generation/`'s `policy.py`, `lookup.py`, `verify.py`,
+`stats.py`, `candidate_generator.py`, `decoding.py`, `batched.py`, `api.py`, in that order, imports merged), so it is the same
 code the package runs (the verification kernels only where dflash-hf is installed, else the PyTorch rules).
 """
 
@@ -23,7 +23,7 @@ from pathlib import Path
 from .modeling_dflash import DFlashDraftModel
 
 PACKAGE = Path(__file__).resolve().parent
-GENERATE_SOURCES = ("targets.py", "generation/policy.py", "generation/lookup.py", "generation/verify.py",
+GENERATE_SOURCES = ("packed.py", "hardware.py", "targets.py", "generation/policy.py", "generation/lookup.py", "generation/verify.py",
                     "generation/stats.py", "generation/candidate_generator.py", "generation/decoding.py",
                     "generation/batched.py", "generation/api.py")
 MIN_TRANSFORMERS = "5.25"
