@@ -26,8 +26,9 @@ def test_run_bench_random_drafter_is_lossless():
     overall = result["overall"]
     assert overall["all_match_greedy"] is True
     lengths = [a for row in result["prompts"] for a in row["dflash"]["3"]["acceptance_lengths"]]
-    assert sum(overall["acceptance_histogram"].values()) == len(lengths)
-    assert overall["mean_tau"] == pytest.approx(sum(lengths) / len(lengths))
+    # every token after each prompt's first (the prefill's) was committed by a counted forward: 2 x 11 tokens
+    assert sum(int(k) * count for k, count in overall["acceptance_histogram"].items()) == 2 * 11
+    assert overall["mean_tau"] == pytest.approx(2 * 11 / len(lengths))
     for row in result["prompts"]:
         assert row["baseline"]["new_tokens"] == 12 and row["dflash"]["3"]["speedup"] > 0
         assert all(a <= 2 for a in row["dflash"]["1"]["acceptance_lengths"])
@@ -189,9 +190,6 @@ def test_bench_compares_with_the_fastest_plain_configuration_whatever_its_dtype(
     assert result["fastest_alternative"] != "plain bfloat16" and not result["fastest_alternative"].endswith("bfloat16")
     for entry in result["sweep"].values():  # a faster alternative can only lower the speedup
         assert entry["speedup_over_fastest_alternative"] <= entry["speedup_over_fastest_plain"] <= entry["speedup"] + 1e-9
-    fastest = max(alternatives[name] for name in alternatives if name.startswith("plain"))
-    assert result["overall"]["speedup_over_fastest_plain"] == pytest.approx(
-        result["overall"]["dflash_tokens_per_second"] / fastest)
     summary = bench.format_summary(result)
     assert "alternatives: plain float32" in summary and "vs fastest plain" in summary
 
