@@ -4,6 +4,7 @@
     drafter = dflash_hf.DFlashDraftModel.from_pretrained("z-lab/Qwen3-8B-DFlash-b16")
     dflash_hf.enable(target)                                  # or: dflash_hf.generate(target, **inputs, ...)
     target.generate(**inputs, assistant_model=drafter)
+    dflash_hf.pack_linears(target)                            # on a CPU: the packed fast path, plain and DFlash
 """
 
 from transformers import AutoConfig, AutoModel
@@ -18,6 +19,7 @@ from .generation import (
     is_enabled,
 )
 from .modeling_dflash import DFlashConfig, DFlashDraftModel
+from .packed import pack_linears, unpack_linears
 from .targets import check_compatible, compatibility_problems
 
 __version__ = "0.1.0"
@@ -41,4 +43,6 @@ __all__ = [
     "enable",
     "generate",
     "is_enabled",
+    "pack_linears",
+    "unpack_linears",
 ]
