@@ -12,8 +12,13 @@
 #   device: run(carry=[".gpu/gguf-1"], command="bash scripts/device_train_smollm2.sh keep")
 #   device: run(carry=[".gpu/gguf-2"], command="bash scripts/device_train_smollm2.sh keep")
 #   device: run(carry=[".gpu/gguf-3", ".gpu/gguf.sha256", ".whl"], timeout_s=600,
-#               command="bash scripts/device_train_smollm2.sh train 420")
-#   here:   bash scripts/device_train_smollm2.sh collect FILES_AT [DEST]  # the drafter, into runs/smollm2-gpu
+#               command="bash scripts/device_train_smollm2.sh train 560")
+#   here:   bash scripts/device_train_smollm2.sh collect FILES_AT [DEST]  # the drafter, into runs/smollm2-gpu,
+#           and the answers brought back, merged into scripts/smollm2_more_responses.jsonl.gz (commit it)
+#
+# The 560 s of `train` hold the second answer set's generation (MORE_PROMPTS, default 16,938 answers of up to 160
+# tokens at 256 rows a batch: its time on an H100 is not measured yet; what is made is kept as it comes) and
+# then training on the first NUM_PROMPTS (5,646) of the first set and those answers.
 #
 # `train SECONDS` stops training after SECONDS (the last finished round counts) and always writes what it
 # has. Dry run on the CPU with a tiny target (what the tests do):
@@ -68,14 +73,21 @@ train)
     fi
     python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__, 'device', torch.cuda.get_device_name(0) if torch.cuda.is_available() else 'cpu')" | tee "$OUT/environment.txt"
     run="${RUN_DIR:-/tmp/smollm2-gpu}"
+    # The second answer set first (issue 38): the target's answers to the first MORE_PROMPTS of more_prompts()
+    # (16,938 with the 5,646 of the shipped mix: 4x its data), batched greedy generate on the GPU, written to
+    # $DFLASH_TRAIN_DATA_DIR/smollm2_more_responses.jsonl.gz every 4 batches; then training on both sets.
     # A GPU step is cheap: bigger batches, more anchors, rounds of 400 steps between held-out checks.
-    # `timeout` ends the job; the drafter of the last finished round is in $run.
+    # `timeout` ends the job; the drafter of the last finished round is in $run, the answers made so far in the file.
+    data_dir="${DFLASH_TRAIN_DATA_DIR:-$PWD/scripts}"
     set +e
-    timeout "$seconds" python3 scripts/train_smollm2_drafter.py --output-dir "$run" --rounds 1000 \
-        --steps-per-round "${STEPS_PER_ROUND:-400}" --target "$target" --device "${DEVICE:-cuda}" \
+    DFLASH_TRAIN_DATA_DIR="$data_dir" timeout "$seconds" python3 scripts/train_smollm2_drafter.py --output-dir "$run" \
+        --rounds 1000 --steps-per-round "${STEPS_PER_ROUND:-400}" --target "$target" --device "${DEVICE:-cuda}" \
+        --more-prompts "${MORE_PROMPTS:-16938}" --num-prompts "${NUM_PROMPTS:-5646}" \
         --batch-size "${BATCH_SIZE:-32}" --max-anchors 256 --generation-batch-size 256 \
         --checkpoint-every 100000 --log-every 50 ${EXTRA_ARGS:-} 2>&1 | tee "$OUT/train.log"
     set -e
+    # the answers come back whatever happened to the training (a later session trains on them)
+    [ -f "$data_dir/smollm2_more_responses.jsonl.gz" ] && cp "$data_dir/smollm2_more_responses.jsonl.gz" "$OUT/"
     [ -f "$run/model.safetensors" ] || { echo "no round finished in $seconds s" >&2; exit 3; }
     # `timeout` may have struck while a round wrote its drafter
     python3 -c "import sys; from safetensors.torch import load_file; load_file(sys.argv[1])" "$run/model.safetensors" \
@@ -96,6 +108,9 @@ collect)
         [ -f "$from/$name" ] && cp "$from/$name" "$dest/"
     done
     cp dflash_hf/assets/smollm2-dflash/modeling_dflash.py "$dest/"
+    if [ -f "$from/smollm2_more_responses.jsonl.gz" ]; then  # into the committed second answer set
+        python3 scripts/train_smollm2_drafter.py --output-dir "$dest" --merge-more "$from/smollm2_more_responses.jsonl.gz"
+    fi
     echo "drafter in $dest; bench it: dflash-hf bench --target smollm2 --drafter $dest --prompts humaneval:8"
     ;;
 *)

@@ -46,6 +46,7 @@ bench set never enter training. Every option of `dflash-hf train` can be passed 
 import argparse
 import gzip
 import json
+import os
 import re
 import shutil
 import sys
@@ -87,10 +88,13 @@ RECIPE = [
 ASSETS = Path(__file__).resolve().parent.parent / "dflash_hf" / "assets" / "smollm2-dflash"
 # The target's responses, committed: regenerating them takes hours on two cores, and a fresh machine
 # (or one with other packages, hence other docstring prompts) reuses every response whose prompt it shares.
-RESPONSES = Path(__file__).resolve().parent / "smollm2_responses.jsonl.gz"
+# $DFLASH_TRAIN_DATA_DIR moves both answer files elsewhere (the device script's dry run on a tiny target must not
+# write its answers into the committed files).
+DATA_DIR = Path(os.environ.get("DFLASH_TRAIN_DATA_DIR") or Path(__file__).resolve().parent)
+RESPONSES = DATA_DIR / "smollm2_responses.jsonl.gz"
 # The second answer set (issue 38: tau against the amount of data): answers to `more_prompts()`, kept apart from
 # the first so that a run can train on 1x, 2x, ... and a later session continues generating where this one stopped.
-MORE_RESPONSES = Path(__file__).resolve().parent / "smollm2_more_responses.jsonl.gz"
+MORE_RESPONSES = DATA_DIR / "smollm2_more_responses.jsonl.gz"
 PROSE_EVAL = "prose:10"
 # Requests over the target's most frequent vocabulary words (`word_requests`), after the emoji and city ones.
 WORD_PROMPTS = 1500
@@ -161,12 +165,14 @@ def more_prompts(first: list[str] | None = None) -> list[str]:
     return prompts
 
 
-def generate_more(output_dir: Path, count: int, batch_size: int = 32, max_new_tokens: int = 160) -> int:
+def generate_more(output_dir: Path, count: int, batch_size: int = 32, max_new_tokens: int = 160,
+                  target: str = "smollm2", device: str | None = None) -> int:
     """The target's greedy answers to the first `count` of `more_prompts()`, resumable: cached line by line in
     `<output-dir>/data/more_responses.jsonl` (seeded from `MORE_RESPONSES` on a fresh machine), written to
     `MORE_RESPONSES` after every `4 * batch_size` new answers and at the end. Plain batched `generate` in bfloat16
     on the packed path (issue 38's measurement: at 16-32 rows it gave more answer tokens a second on this CPU than
-    batched DFlash, full block or adaptive). Returns the number of answers cached."""
+    batched DFlash, full block or adaptive; off the CPU the packing falls back to eager). `target`, `device`: the
+    run's (`--target`, `--device`). Returns the number of answers cached."""
     from dflash_hf import embedded
     from dflash_hf.evaluation import encode_prompt
     from dflash_hf.training.data import build_dataset
@@ -175,12 +181,17 @@ def generate_more(output_dir: Path, count: int, batch_size: int = 32, max_new_to
     if not cache.exists() and MORE_RESPONSES.is_file():
         cache.parent.mkdir(parents=True, exist_ok=True)
         cache.write_bytes(gzip.decompress(MORE_RESPONSES.read_bytes()))
-    tokenizer = smollm2_tokenizer()
+    if target == "smollm2":
+        tokenizer = smollm2_tokenizer()
+    else:
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(target)
     ids = [encode_prompt(tokenizer, prompt) for prompt in more_prompts()[:count]]
     done = load_responses(cache) if cache.is_file() else {}
     if all(tuple(i) in done for i in ids):
         return len(done)
-    target, tokenizer = embedded.load_target("smollm2", dtype="bfloat16", packed=True)
+    target, tokenizer = embedded.load_target(target, dtype="bfloat16", packed=True, device=device)
     stop = {tokenizer.eos_token_id, *([target.generation_config.eos_token_id] if isinstance(
         target.generation_config.eos_token_id, int) else target.generation_config.eos_token_id or [])} - {None}
     step = 4 * batch_size
@@ -193,7 +204,7 @@ def generate_more(output_dir: Path, count: int, batch_size: int = 32, max_new_to
     return save_responses(cache, MORE_RESPONSES)
 
 
-def prose_tau(folder: Path, target: str = "smollm2") -> dict:
+def prose_tau(folder: Path, target: str = "smollm2", max_new_tokens: int = 128) -> dict:
     """Held-out tau of the drafter in `folder` on the `prose` bench set (10 prompts, 128 tokens, bf16):
     the HumanEval tau of training alone cannot show what prose training data does. `target`: the run's
     `--target` (the embedded SmolLM2 unless a run, such as the device script's dry run, names another)."""
@@ -211,7 +222,7 @@ def prose_tau(folder: Path, target: str = "smollm2") -> dict:
         tokenizer = AutoTokenizer.from_pretrained(target.name_or_path)
     drafter = DFlashDraftModel.from_pretrained(folder, dtype=torch.bfloat16)
     ids = [encode_prompt(tokenizer, item["prompt"]) for item in load_prompts(PROSE_EVAL)]
-    return mean_tau(target, drafter, ids, 128, eos_token_id=tokenizer.eos_token_id)
+    return mean_tau(target, drafter, ids, max_new_tokens, eos_token_id=tokenizer.eos_token_id)
 
 
 def held_out_score(folder: Path, target: str = "smollm2") -> float:
@@ -253,6 +264,7 @@ def save_responses(cache: Path, path: Path | None = None, exclude: Path | None =
     path = RESPONSES if path is None else path
     # mtime=0 and the final file name in the header: the same responses give the same bytes, so an unchanged
     # cache makes no diff. Written beside it and renamed: a run killed mid-write once left the committed file empty.
+    path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_name(path.name + ".partial")
     with open(partial, "wb") as raw, gzip.GzipFile(path.name, "wb", fileobj=raw, mtime=0) as file:
         file.write("".join(json.dumps(example) + "\n" for example in examples.values()).encode())
@@ -312,12 +324,21 @@ def main(argv=None) -> int:
     parser.add_argument("--more-prompts", type=int, default=0, metavar="N",
                         help="train on the first N of more_prompts() besides the first set (their answers generated "
                              "first where missing; --num-prompts then cuts the first set alone)")
+    parser.add_argument("--merge-more", metavar="FILE",
+                        help=f"only add the answers in FILE (gzip JSONL, e.g. brought back from a GPU) to "
+                             f"{MORE_RESPONSES.name}")
     parser.add_argument("--save-responses", action="store_true",
                         help=f"only write the run's response cache to {RESPONSES.name} (also while it is being generated)")
     args, passthrough = parser.parse_known_args(argv)
     output_dir = Path(args.output_dir)
     # the target training runs on (`--target` passes through to `dflash-hf train`); prose tau is measured on it
-    target = next((passthrough[i + 1] for i, arg in enumerate(passthrough[:-1]) if arg == "--target"), "smollm2")
+    def passed(option, default):
+        return next((passthrough[i + 1] for i, arg in enumerate(passthrough[:-1]) if arg == option), default)
+
+    target = passed("--target", "smollm2")
+    # the answers of the second set are generated on the run's device, in its generation batches
+    generation = dict(target=target, device=passed("--device", None),
+                      batch_size=int(passed("--generation-batch-size", 32)))
     cache = output_dir / "data" / "responses.jsonl"
     more_cache = output_dir / "data" / "more_responses.jsonl"
     if args.save_responses:
@@ -325,8 +346,17 @@ def main(argv=None) -> int:
         if more_cache.is_file():
             print(f"{save_responses(more_cache, MORE_RESPONSES)} responses written to {MORE_RESPONSES}")
         return 0
+    if args.merge_more:
+        merged = output_dir / "data" / "merged_more.jsonl"
+        merged.parent.mkdir(parents=True, exist_ok=True)
+        with open(merged, "w", encoding="utf-8") as file:  # the committed answers first: a prompt's new answer wins
+            for source in (MORE_RESPONSES, Path(args.merge_more)):
+                if source.is_file():
+                    file.write("".join(json.dumps(e) + "\n" for e in load_responses_gz(source).values()))
+        print(f"{save_responses(merged, MORE_RESPONSES)} answers in {MORE_RESPONSES}")
+        return 0
     if args.generate_more:
-        print(f"{generate_more(output_dir, args.generate_more)} answers in {MORE_RESPONSES}")
+        print(f"{generate_more(output_dir, args.generate_more, **generation)} answers in {MORE_RESPONSES}")
         return 0
     if not cache.exists() and RESPONSES.is_file():  # a fresh machine starts from the committed responses
         cache.parent.mkdir(parents=True, exist_ok=True)
@@ -338,7 +368,7 @@ def main(argv=None) -> int:
             at = passthrough.index("--num-prompts")
             prompts = prompts[: int(passthrough[at + 1])]
             passthrough = passthrough[:at] + passthrough[at + 2 :]
-        generate_more(output_dir, args.more_prompts)
+        generate_more(output_dir, args.more_prompts, **generation)
         cache.parent.mkdir(parents=True, exist_ok=True)
         with open(cache, "a", encoding="utf-8") as file:  # the second set's answers join the run's cache
             answers = load_responses(more_cache) if more_cache.is_file() else {}
@@ -362,7 +392,8 @@ def main(argv=None) -> int:
         metrics_file = output_dir / "training_metrics.json"
         metrics = json.loads(metrics_file.read_text())
         tau = metrics.get("eval", {}).get("mean_tau", 0.0)
-        metrics["eval_prose"] = prose_tau(output_dir, target)
+        # as many tokens as the HumanEval check (`--eval-max-new-tokens`, 128 in the recipe)
+        metrics["eval_prose"] = prose_tau(output_dir, target, int(passed("--eval-max-new-tokens", 128)))
         metrics_file.write_text(json.dumps(metrics, indent=2))
         point = {"time": time.time(), "step": metrics["global_step"], "tau": tau,
                  "prose_tau": metrics["eval_prose"]["mean_tau"], "train": metrics.get("final", {})}

@@ -64,8 +64,8 @@ def test_a_run_keeps_its_best_round_although_checkpoints_rotate(tmp_path, monkey
         return 0
 
     monkeypatch.setattr(script, "cli_main", train)
-    def prose_tau(folder, target):  # the round's prose tau, measured on the run's own target
-        assert target == "smollm2"
+    def prose_tau(folder, target, max_new_tokens):  # the round's prose tau, measured on the run's own target
+        assert target == "smollm2" and max_new_tokens == 128
         return {"mean_tau": prose["tau"]}
 
     monkeypatch.setattr(script, "prose_tau", prose_tau)
@@ -166,7 +166,7 @@ def test_generate_more_answers_greedily_resumes_and_writes_the_committed_file(tm
     monkeypatch.setattr(script, "more_prompts", lambda first=None: prompts)
     monkeypatch.setattr(script, "MORE_RESPONSES", tmp_path / "more.jsonl.gz")
     assert script.generate_more(tmp_path / "run", 2, batch_size=1, max_new_tokens=5) == 2
-    assert loads == [{"dtype": "bfloat16", "packed": True}]
+    assert loads == [{"dtype": "bfloat16", "packed": True, "device": None}]
     saved = script.load_responses_gz(script.MORE_RESPONSES)
     from dflash_hf.evaluation import encode_prompt
 
@@ -186,11 +186,24 @@ def test_more_prompts_join_the_first_set_cut_by_num_prompts(tmp_path, monkeypatc
     calls = []
     monkeypatch.setattr(script, "training_prompts", lambda: ["p1", "p2", "p3"])
     monkeypatch.setattr(script, "more_prompts", lambda first=None: ["m1", "m2", "m3"])
-    monkeypatch.setattr(script, "generate_more", lambda output_dir, count: calls.append(("generate", count)))
+    monkeypatch.setattr(script, "generate_more", lambda output_dir, count, **kw: calls.append(("generate", count, kw)))
     monkeypatch.setattr(script, "cli_main", lambda argv: calls.append(argv) or 1)
     monkeypatch.setattr(script, "RESPONSES", tmp_path / "none.jsonl.gz")
     run = tmp_path / "run"
-    assert script.main(["--output-dir", str(run), "--more-prompts", "2", "--num-prompts", "2"]) == 1
-    assert calls[0] == ("generate", 2) and "--num-prompts" not in calls[1]
+    assert script.main(["--output-dir", str(run), "--more-prompts", "2", "--num-prompts", "2", "--device", "cuda",
+                        "--generation-batch-size", "256"]) == 1
+    assert calls[0] == ("generate", 2, {"target": "smollm2", "device": "cuda", "batch_size": 256})
+    assert "--num-prompts" not in calls[1] and calls[1][calls[1].index("--device") + 1] == "cuda"
     assert [json.loads(line)["prompt"] for line in (run / "prompts.jsonl").read_text().splitlines()] \
         == ["p1", "p2", "m1", "m2"]
+
+
+def test_answers_brought_back_merge_into_the_committed_file(tmp_path, monkeypatch):
+    monkeypatch.setattr(script, "MORE_RESPONSES", tmp_path / "more.jsonl.gz")
+    old = [{"input_ids": [1, 5], "loss_mask": [0, 1]}, {"input_ids": [2, 6], "loss_mask": [0, 1]}]
+    new = [{"input_ids": [2, 7], "loss_mask": [0, 1]}, {"input_ids": [3, 8], "loss_mask": [0, 1]}]
+    for path, records in ((script.MORE_RESPONSES, old), (tmp_path / "back.jsonl.gz", new)):
+        path.write_bytes(gzip.compress("".join(json.dumps(r) + "\n" for r in records).encode()))
+    assert script.main(["--output-dir", str(tmp_path / "run"), "--merge-more", str(tmp_path / "back.jsonl.gz")]) == 0
+    merged = script.load_responses_gz(script.MORE_RESPONSES)
+    assert merged == {(1,): old[0], (2,): new[0], (3,): new[1]}  # the prompt answered twice keeps the newer answer
