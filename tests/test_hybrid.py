@@ -42,9 +42,9 @@ def state_checks(monkeypatch, target):
     checks = []
     original = DFlashCandidateGenerator.propose
 
-    def checked(self, input_ids, model_kwargs, model_outputs=None, is_first_iteration=False, n_last_matches=0):
+    def checked(self, input_ids, model_kwargs, first=False, room=None):
         cache = model_kwargs["cache"]
-        if not is_first_iteration:
+        if not first:
             fresh = DynamicCache(config=target.config)
             with torch.no_grad():
                 target(input_ids[:, :-1], cache=fresh, use_cache=True)
@@ -61,7 +61,7 @@ def state_checks(monkeypatch, target):
                     assert live_layer.keys.shape == fresh_layer.keys.shape
                     torch.testing.assert_close(live_layer.keys, fresh_layer.keys, atol=1e-5, rtol=1e-4)
             checks.append(input_ids.shape[1])
-        return original(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches)
+        return original(self, input_ids, model_kwargs, first, room)
 
     monkeypatch.setattr(DFlashCandidateGenerator, "propose", checked)
     return checks

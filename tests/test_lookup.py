@@ -64,13 +64,12 @@ def test_a_copy_is_verified_whole(looping, monkeypatch):
     found_and_verified = []
     propose = DFlashCandidateGenerator.propose
 
-    def spy(self, input_ids, model_kwargs, model_outputs=None, is_first_iteration=False, n_last_matches=0):
-        room = self.main_model_max_length - input_ids.shape[1] - 1
+    def spy(self, input_ids, model_kwargs, first=False, room=None):
         found = len(self.lookup.find(self.main_model_max_length)[1])
         # as if copies here were often right for two tokens and then wrong: a "best length" would be 2
         for _ in range(10):
-            self.copy_policy.stats.observe(6, 2)
-        result = propose(self, input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches)
+            self.planner.copies.stats.observe(6, 2)
+        result = propose(self, input_ids, model_kwargs, first, room)
         if result.copied:
             found_and_verified.append((min(found, room), result.ids.shape[1] - input_ids.shape[1]))
         return result
@@ -98,7 +97,7 @@ def test_copies_passed_over_are_still_scored_so_copying_resumes(looping, monkeyp
         if not getattr(self, "seeded", False):
             self.seeded = True
             for _ in range(40):
-                self.copy_policy.stats.observe(6, 0)
+                self.planner.copies.stats.observe(6, 0)
         return propose(self, *args, **kwargs)
 
     monkeypatch.setattr(DFlashCandidateGenerator, "propose", pessimistic)

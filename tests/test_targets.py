@@ -17,12 +17,15 @@ class RecordingDrafter(type(drafter())):
 
 
 def _draft_once(target, model, prompt):
-    generator = DFlashCandidateGenerator(target, model, GenerationConfig(max_length=64, do_sample=False))
+    generator = DFlashCandidateGenerator(target, model, GenerationConfig(max_length=64, do_sample=False),
+                                         verify_length=None)
+    generator.start(prompt.tolist(), padded=False)
     with torch.no_grad():
         outputs = target(prompt, **generator.model_kwargs_overrides)
+        generator.ingest(outputs)
         next_token = outputs.logits[:, -1:].argmax(-1)
-        ids = torch.cat([prompt, next_token], dim=-1)
-        return generator.get_candidates(ids, model_kwargs={}, model_outputs=outputs, is_first_iteration=False)
+        proposal = generator.propose(torch.cat([prompt, next_token], dim=-1), model_kwargs={})
+        return proposal.ids, proposal.scores
 
 
 def test_gemma_block_embeddings_carry_the_sqrt_hidden_scale():

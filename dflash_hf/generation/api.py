@@ -104,10 +104,7 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
                              "prompt at a time.")
         settings["lookup"] = None
     check_compatible(model, drafter)
-    unsupported = {
-        "num_beams": "beam search", "num_return_sequences": "several sequences per prompt",
-    }
-    for name, what in unsupported.items():
+    for name, what in {"num_beams": "beam search", "num_return_sequences": "several sequences per prompt"}.items():
         if (getattr(generation_config, name, None) or 1) > 1:
             raise ValueError(f"DFlash does not do {what} ({name}={getattr(generation_config, name)}); drop {name} or "
                              "the DFlash drafter.")
@@ -128,11 +125,12 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
     mask = model_kwargs.get("attention_mask")
     eos = next((c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)), None)
     unpadded = mask.all() if mask is not None else input_ids.new_ones(())
-    prompt, unpadded, eos = _read(input_ids[0], unpadded, eos if eos is not None else input_ids.new_zeros(0))
-    if (mismatch := chat_mode_mismatch(drafter, prompt)) is not None:
+    prompts, unpadded, eos = _read(input_ids, unpadded, eos if eos is not None else input_ids.new_zeros(0))
+    prompts = [prompts[row * input_ids.shape[1] : (row + 1) * input_ids.shape[1]] for row in range(input_ids.shape[0])]
+    if (mismatch := next(filter(None, (chat_mode_mismatch(drafter, prompt) for prompt in prompts)), None)) is not None:
         warnings.warn(mismatch, UserWarning, stacklevel=2)
     generator = DFlashCandidateGenerator(model, drafter, generation_config, logits_processor, **settings)
-    generator.start(prompt, padded=not unpadded[0])
+    generator.start(prompts, padded=not unpadded[0])
     # Linear-attention and sliding-window layers keep the states of the last tokens, to roll back to: as many as
     # the longest verify forward covers (a copied run can be longer than the block).
     model_kwargs["cache"].activate_past_recording(recurrent_states_to_keep=generator.longest_verify)
@@ -145,13 +143,11 @@ def check_processors(logits_processor) -> None:
     DFlash calls the logits processors on the scores of every slot it verifies, rejected drafts' included, and on
     the drafter's: a processor that is a function of the ids and scores it is given gives the committed tokens
     exactly the scores plain `generate` would, one that advances its own state per call does not."""
-    for processor in logits_processor or ():
-        for cls, option in STATEFUL_PROCESSORS.items():
-            if isinstance(processor, cls):
-                raise ValueError(
-                    f"DFlash does not support {cls.__name__} ({option}): it keeps state from call to call, and DFlash "
-                    "calls the logits processors on drafts it may reject, so its output would differ from plain "
-                    f"generate. Drop {option}, or generate without the DFlash drafter.")
+    for cls, option in STATEFUL_PROCESSORS.items():
+        if any(isinstance(processor, cls) for processor in logits_processor or ()):
+            raise ValueError(f"DFlash does not support {cls.__name__} ({option}): it keeps state from call to call, and "
+                             "DFlash calls the logits processors on drafts it may reject, so its output would differ "
+                             f"from plain generate. Drop {option}, or generate without the DFlash drafter.")
 
 
 def _read(*tensors: torch.Tensor) -> list[list[int]]:

@@ -38,9 +38,8 @@ from transformers.generation.logits_process import (
 )
 
 from .candidate_generator import DFlashCandidateGenerator
-from .policy import StepCosts
+from .decoding import extend_kwargs, record, target_step
 from .stats import DFlashGenerateOutput, DFlashStats
-from .verify import verify
 
 # Processors that read only the scores, never the ids: the holes of a batch do not change what they do.
 SCORE_ONLY_PROCESSORS = (
@@ -84,121 +83,70 @@ def decode_batch(model: PreTrainedModel, generator: DFlashCandidateGenerator, in
                  stats: DFlashStats | None = None):
     """Decodes every row of `input_ids` (left-padded, `model_kwargs["attention_mask"]`) until its EOS or
     `max_length`; finished rows are padded with the pad token, as plain batched `generate` pads them. Returns
-    the sequences, or a `DFlashGenerateOutput` whose `dflash_stats` counts each row's steps, and `.rows` each row's."""
+    the sequences, or a `DFlashGenerateOutput` whose `dflash_stats` counts each row's steps, and `.rows` each row's.
+    The step is `decoding.decode`'s (`target_step`); what is the batch's own is where its slots go."""
     stats = stats if stats is not None else DFlashStats()
-    stats.rows = [DFlashStats() for _ in range(input_ids.shape[0])]
-    cache, device = model_kwargs["cache"], input_ids.device
-    drafting, policy = generator.max_drafts > 0, generator.policy
-    if policy is not None:  # a verified draft adds a token per row to the target's forward
-        costs = policy.costs  # priced for one row by the hardware (`cost_prior`)
-        policy.costs = StepCosts(policy.max_drafts, draft=costs.draft, per_draft=costs.per_draft * input_ids.shape[0])
+    stats.rows, cache, device = [DFlashStats() for _ in range(input_ids.shape[0])], model_kwargs["cache"], input_ids.device
     budget = generation_config.max_length - input_ids.shape[1]  # new tokens per row, as plain generate counts them
     generated: list[list[int]] = [[] for _ in range(input_ids.shape[0])]
     rows = list(range(input_ids.shape[0]))  # the original index of each row still in the batch
-
-    # Slot space: `slot_ids` holds every cache slot's token followed by each row's anchor (its last committed
-    # token, not yet in the cache); `valid` and `positions` cover the cache slots.
-    mask = model_kwargs.get("attention_mask")
-    valid = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
-    positions = model_kwargs.get("position_ids")
-    if positions is None:
-        positions = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
-    generator.padded = True  # the drafter always takes the mask: its holes are padding to it
-    overrides = generator.model_kwargs_overrides
     window = _sliding_window(model)
     if window is not None:  # every slot kept, the window applied by positions (module docstring)
         cache = model_kwargs["cache"] = DynamicCache()
 
-    start = time.perf_counter()
-    inputs = model.prepare_inputs_for_generation(input_ids, is_first_iteration=True,
-                                                 **(model_kwargs | {"attention_mask": valid.long(), "position_ids": positions}))
-    if "logits_to_keep" in inputs:
-        inputs["logits_to_keep"] = 1
-    if window is not None:
-        inputs["attention_mask"] = _window_masks(model, window, valid, positions, cache, input_ids.shape[1])
-    outputs = model(**(inputs | overrides))
-    scores = logits_processor(input_ids, outputs.logits[:, -1:].float().squeeze(1))[:, None]
-    _, anchor = verify(input_ids[:, :0], None, scores, generation_config.do_sample)
-    if drafting:  # the prompt's slots: the drafter's first context
-        generator.pending_context.append(_context(outputs, generator, input_ids.shape[1]))
-    slot_ids = torch.cat([input_ids, anchor[:, None]], dim=-1)
-    anchor_position = positions[:, -1] + 1
-    for row, token in zip(rows, anchor.tolist()):
-        generated[row].append(token)
-    rows, keep = _still_running(rows, generated, eos, budget)
-    stats.verify_seconds += time.perf_counter() - start
-
+    # Slot space: `slot_ids` holds every cache slot's token followed by each row's anchor (its last committed token,
+    # not yet in the cache; at the prefill, the prompt's last); `valid` and `positions` cover them.
+    slot_ids, mask = input_ids, model_kwargs.get("attention_mask")
+    valid = mask.bool() if mask is not None else torch.ones_like(input_ids, dtype=torch.bool)
+    positions = model_kwargs.get("position_ids")
+    if positions is None:
+        positions = (valid.long().cumsum(-1) - 1).masked_fill(~valid, 1)
+    first = True
     while rows:
-        if keep is not None:  # rows that finished leave the batch: both caches and the slot tensors lose them
-            index = torch.tensor(keep, device=device)
-            cache.batch_select_indices(index)
-            generator.cache.batch_select_indices(index.to(generator.device))
-            slot_ids, valid, positions, anchor_position = (t.index_select(0, index) for t in (slot_ids, valid, positions,
-                                                                                               anchor_position))
-            generator.pending_context = [c.index_select(0, index.to(c.device)) for c in generator.pending_context]
         start = time.perf_counter()
-        # 1. The verify length, from host statistics; the drafter ingests the context of the forwards since its last
-        # one and drafts a block for every row (a plain step skips it).
+        # 1. The verify length, from host statistics, and one drafter forward for every row (none for a plain step).
+        length = slot_ids.shape[1]
+        slot_kwargs = model_kwargs | {"attention_mask": valid.long(), "position_ids": positions}
         room = budget - min(len(generated[row]) for row in rows) - 1  # tokens the longest-running row can still take
-        num_drafts = min(generator.max_drafts, room)
-        if policy is not None and num_drafts > 0:
-            num_drafts = policy.choose(num_drafts)
-        if num_drafts:
-            draft_kwargs = {"attention_mask": torch.cat([valid, valid.new_ones(valid.shape[0], 1)], dim=-1).long(),
-                            "position_ids": torch.cat([positions, anchor_position[:, None]], dim=-1)}
-            hidden = generator._draft_block(slot_ids, draft_kwargs)[:, 1 : 1 + num_drafts]
-            drafts, draft_scores = generator._propose(slot_ids, generator._draft_logits(hidden).to(device))
-        else:
-            drafts, draft_scores = slot_ids[:, :0], None
+        proposal = generator.propose(slot_ids, slot_kwargs, first, room=room)
         drafted = time.perf_counter()
-        # 2. One target forward over every row's [anchor, drafts], at each row's own positions.
-        width = num_drafts + 1
-        step_positions = anchor_position[:, None] + torch.arange(width, device=device)
-        forward_kwargs = model_kwargs | {
-            "attention_mask": torch.cat([valid, valid.new_ones(valid.shape[0], width)], dim=-1).long(),
-            "position_ids": torch.cat([positions, step_positions], dim=-1),
-        }
-        inputs = model.prepare_inputs_for_generation(torch.cat([slot_ids, drafts], dim=-1), next_sequence_length=width,
-                                                     **forward_kwargs)
-        if "logits_to_keep" in inputs:
-            inputs["logits_to_keep"] = width
+        # 2. One target forward over every row's [anchor, drafts], at each row's own positions; each row's accepted
+        # prefix and the target's own token.
+        width = proposal.num_proposed + 1
+        forward_kwargs = extend_kwargs(slot_kwargs, width - 1)
+        masks = None
         if window is not None:
-            inputs["attention_mask"] = _window_masks(model, window, forward_kwargs["attention_mask"].bool(),
-                                                     forward_kwargs["position_ids"], cache, width)
-        outputs = model(**(inputs | overrides))
-        logits = outputs.logits[:, -width:].float()
-        processed = logits.clone()
-        for i in range(width):  # score-only processors (check_batch): the ids they are given do not matter
-            processed[:, i] = logits_processor(slot_ids, processed[:, i])
-        # 3. Each row's accepted prefix and the target's own token: the step's one host read.
-        num_accepted, next_token = verify(drafts, draft_scores, processed, generation_config.do_sample)
-        read = torch.cat([num_accepted, next_token, drafts.reshape(-1)]).tolist()
-        batch = len(rows)
-        accepted, nexts, host_drafts = read[:batch], read[batch : 2 * batch], read[2 * batch :]
-        for i, row in enumerate(rows):
-            tokens = host_drafts[i * num_drafts : i * num_drafts + accepted[i]] + [nexts[i]]
-            ends = next((j + 1 for j, token in enumerate(tokens) if token in eos), len(tokens))
-            tokens = tokens[: min(ends, budget - len(generated[row]))]
-            generated[row] += tokens
-            stats.rows[row].record(num_drafts, len(tokens) - 1)
-            stats.record(num_drafts, len(tokens) - 1)
+            masks = _window_masks(model, window, forward_kwargs["attention_mask"].bool(), forward_kwargs["position_ids"],
+                                  cache, proposal.ids.shape[1] if first else width)
+        rooms = [budget - len(generated[row]) for row in rows]
+        step = target_step(model, proposal, length, forward_kwargs, logits_processor, generation_config.do_sample,
+                           eos, rooms, first, attention_mask=masks)
         now = time.perf_counter()
-        if policy is not None:
-            policy.observe(num_drafts, accepted, now - start)
-        # 4. Commit: the caches keep the slots some row still needs; the rest of each row's are holes.
-        kept = 1 + max(accepted)
+        for row, tokens in zip(rows, step.tokens):
+            generated[row] += tokens
+        record(stats, proposal, step.tokens, drafted - start, now - drafted, [stats.rows[row] for row in rows])
+        generator.observe(proposal, step.tokens, now - start)
+        # 3. Commit: the caches keep the slots some row still needs (the anchor and drafts up to the longest accepted
+        # run; at the prefill, the prompt), the rest of each row's are holes; each row's new anchor follows.
+        kept = 1 + max(step.accepted)
         if kept < width:
             cache.crop(kept - width)
-        new_valid = torch.arange(kept, device=device) <= num_accepted[:, None]
-        slot_ids = torch.cat([slot_ids, drafts[:, : kept - 1], next_token[:, None]], dim=-1)
-        valid = torch.cat([valid, new_valid], dim=-1)
-        positions = torch.cat([positions, step_positions[:, :kept]], dim=-1)
-        anchor_position = anchor_position + num_accepted + 1
-        if drafting:
-            generator.pending_context.append(_context(outputs, generator, kept))
-        rows, keep = _still_running(rows, generated, eos, budget)
-        stats.draft_seconds += drafted - start
-        stats.verify_seconds += now - drafted
+        generator.ingest(step.outputs, None if first else kept)
+        steps = torch.arange(1, kept, device=device)
+        anchor_position = positions[:, -1] + step.num_accepted + 1
+        slot_ids = torch.cat([slot_ids, proposal.ids[:, length : length + kept - 1], step.next_token[:, None]], dim=-1)
+        valid = torch.cat([valid, steps <= step.num_accepted[:, None], valid.new_ones(valid.shape[0], 1)], dim=-1)
+        positions = torch.cat([positions, positions[:, -1:] + steps, anchor_position[:, None]], dim=-1)
+        first = False
+        # 4. Rows that finished leave the batch: both caches and the slot tensors lose them.
+        keep = [i for i, row in enumerate(rows) if len(generated[row]) < budget and generated[row][-1] not in eos]
+        if len(keep) < len(rows):
+            rows = [rows[i] for i in keep]
+            if rows:
+                index = torch.tensor(keep, device=device)
+                cache.batch_select_indices(index)
+                generator.keep_rows(keep, index)
+                slot_ids, valid, positions = (t.index_select(0, index) for t in (slot_ids, valid, positions))
 
     pad = generation_config._pad_token_tensor
     pad = int(pad) if pad is not None else eos[0] if eos else 0  # plain generate pads with the first EOS id
@@ -247,21 +195,6 @@ def _window_masks(model: PreTrainedModel, window: int, valid: torch.Tensor, posi
     if "full_attention" not in _layer_types(model):
         return sliding
     return {"full_attention": create_causal_mask(**arguments), "sliding_attention": sliding}
-
-
-def _context(outputs, generator, kept: int) -> torch.Tensor:
-    """The drafter's context features of the first `kept` slots of the target's last forward: the hidden states
-    after its `target_layer_ids`, concatenated, on the drafter's device."""
-    hidden_states = outputs.hidden_states
-    return torch.cat([hidden_states[i + 1][:, :kept].to(generator.device) for i in generator.target_layer_ids], dim=-1)
-
-
-def _still_running(rows: list[int], generated: list[list[int]], eos: tuple[int, ...], budget: int):
-    """`(rows, keep)`: the rows that go on, and their indices in the current batch (None when all go on)."""
-    keep = [i for i, row in enumerate(rows) if len(generated[row]) < budget and generated[row][-1] not in eos]
-    if len(keep) == len(rows):
-        return rows, None
-    return [rows[i] for i in keep], keep
 
 
 __all__ = ["SCORE_ONLY_PROCESSORS", "check_batch", "decode_batch"]

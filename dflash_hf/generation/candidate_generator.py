@@ -100,11 +100,12 @@ def check_settings(proposal: str, verify_length, lookup=None) -> None:
 class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
     """Drafts up to `block_size - 1` tokens per step from the target's hidden states.
 
-    `propose` is called before each target forward with that forward's predecessor's outputs and
-    `n_last_matches` (drafts it accepted) and returns a `Proposal`; `observe` takes the step's committed
-    tokens (host ids) after it, and `start` the prompt's before the prefill. `get_candidates` and
-    `update_candidate_strategy` keep upstream's signatures and contract on top of them (`(input_ids + drafts,
-    (1, k, vocab) scores)`, or no candidates for the prefill and plain steps).
+    The loop's interface, for one sequence and for a batch alike: `start` takes the prompts (host ids) before the
+    prefill; `propose` returns each step's `Proposal` before the target's forward; after it, `ingest` takes the
+    forward's hidden states of the slots now committed and `observe` each row's committed tokens (host ids);
+    `keep_rows` the rows that go on when others of a batch finish. (Upstream's `get_candidates` and
+    `update_candidate_strategy` are not used: transformers calls them only on the candidate generators its own
+    assisted loop builds, and DFlash runs its own loop.)
 
     Args:
         target (`PreTrainedModel`): the model being decoded; its embeddings and lm_head are used.
@@ -155,10 +156,9 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         # Context features of committed tokens the drafter has not ingested (plain steps skip it).
         self.pending_context: list[torch.Tensor] = []
         self.block_in_cache = False  # the last drafter forward left its block's keys/values in the cache
-        self.padded: bool | None = None  # whether the prompt has padding (`start`)
-        self.committed: list[int] | None = None  # the host copy of the sequence's ids (`start`, `observe`)
+        self.padded: bool | None = None  # whether the drafter takes the attention mask (`start`)
+        self.committed: list[list[int]] = []  # the host copy of each row's ids (`start`, `observe`)
         self.noise_mask: torch.Tensor | None = None  # the block's mask tokens, made once on the ids' device
-        self.last_proposal: Proposal | None = None
         self.max_copy = lookup or 0  # the longest copied run a step verifies
         # under sampling, transformers' prompt lookup also skips copies of tokens the processors forbid, reading
         # each copied token's processed score on the host; left to verification here (such a token has p = 0 and
@@ -170,58 +170,56 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         self.planner = StepPlanner(self.max_drafts, self.policy, copies)
 
     @property
-    def copy_policy(self) -> CopyPolicy | None:
-        return self.planner.copies
-
-    @property
     def longest_verify(self) -> int:
         """Tokens of the longest target forward after the prefill: the anchor and the longest proposal, drafted
         or copied. The target's cache records the states of linear-attention layers for this many positions,
         the ones a rejection can roll back to."""
         return 1 + max(self.max_drafts, self.max_copy)
 
-    def start(self, prompt: list[int], padded: bool) -> None:
-        """Called once before the prefill with the prompt's ids and whether its attention mask pads it, read on the
-        host with the call's other setup reads (the loop reads each step's tokens after that, `observe`)."""
-        self.padded = padded
+    def start(self, prompts: list[list[int]], padded: bool) -> None:
+        """Called once before the prefill with each row's prompt ids and whether the attention mask pads them, read
+        on the host with the call's other setup reads (the loop reads each step's tokens after that, `observe`).
+        A batch's drafter always takes the mask (its holes are padding to it), and its verified drafts are priced
+        for every row (a verified draft adds a token per row to the target's forward)."""
+        self.padded = padded or len(prompts) > 1
         if self.lookup is not None:
-            self.lookup.extend(prompt)
-        self.committed = list(prompt)
+            self.lookup.extend(prompts[0])  # (copies: one sequence only)
+        self.committed = [list(prompt) for prompt in prompts]
+        if self.policy is not None:
+            self.policy.costs.set_rows(len(prompts))
 
-    def get_candidates(
-        self,
-        input_ids: torch.LongTensor,
-        model_kwargs: dict,
-        model_outputs=None,
-        is_first_iteration: bool = False,
-        n_last_matches: int = 0,
-        **kwargs,
-    ) -> tuple[torch.LongTensor, torch.Tensor | None]:
-        """Upstream's contract: `(1, n + k)` ids and `(1, k, vocab)` scores q of the drafts (None: no drafts, or
-        "match"). Without `start`, the prompt is read from `input_ids` here."""
-        if self.committed is None:
-            mask = model_kwargs.get("attention_mask")
-            self.start(input_ids[0].tolist(), mask is not None and not bool(mask.all()))
-        self.last_proposal = self.propose(input_ids, model_kwargs, model_outputs, is_first_iteration, n_last_matches)
-        return self.last_proposal.ids, self.last_proposal.scores
+    def keep_rows(self, keep: list[int], index: torch.LongTensor) -> None:
+        """The rows of the batch that go on (`keep`, indices into the current batch; `index`, the same on the loop's
+        device) when others finished: the drafter's cache and pending context lose the others, and a verified draft
+        is priced for the rows left."""
+        index = index.to(self.device)
+        self.cache.batch_select_indices(index)
+        self.pending_context = [c.index_select(0, index) for c in self.pending_context]
+        self.committed = [self.committed[i] for i in keep]
+        if self.policy is not None:
+            self.policy.costs.set_rows(len(keep))
 
-    def propose(self, input_ids: torch.LongTensor, model_kwargs: dict, model_outputs=None,
-                is_first_iteration: bool = False, n_last_matches: int = 0) -> Proposal:
-        """This step's proposal (see `Proposal`); the arguments are `get_candidates'`. Reads nothing from the device:
-        every decision comes from host statistics and the host copy of the committed ids (`start`, `observe`),
-        except where `host_reads_are_free` (the CPU)."""
-        if is_first_iteration:  # the prefill forward comes first: its hidden states are the first context
-            return Proposal(input_ids, None, None, self.model_kwargs_overrides)
+    def ingest(self, model_outputs, kept: int | None = None) -> None:
+        """After each target forward: the context features (the hidden states after `target_layer_ids`) of its first
+        `kept` positions, the ones now committed (None: all, as after the prefill), for the drafter's next forward."""
+        if self.max_drafts == 0:  # the drafter never runs
+            return
         hidden_states = model_outputs.hidden_states
-        # The prefill forward covered the whole prompt (maybe given as embeddings); a later one covered
-        # [anchor, drafts], of which the anchor and the accepted drafts are now committed context.
-        num_new = hidden_states[self.target_layer_ids[0] + 1].shape[1] if self.is_main_model_prefill else n_last_matches + 1
-        self.is_main_model_prefill = False
         self.pending_context.append(
-            torch.cat([hidden_states[i + 1][:, :num_new].to(self.device) for i in self.target_layer_ids], dim=-1)
+            torch.cat([hidden_states[i + 1][:, :kept].to(self.device) for i in self.target_layer_ids], dim=-1)
         )
+
+    def propose(self, input_ids: torch.LongTensor, model_kwargs: dict, first: bool = False,
+                room: int | None = None) -> Proposal:
+        """This step's proposal (see `Proposal`) for `input_ids` `(batch, n)`, each row ending with its anchor (the last
+        committed token, not yet in the caches), `model_kwargs` covering them (attention mask, positions);
+        nothing for the prefill (`first`); `room`: the tokens that may follow the anchor (default: to
+        `max_length`). Reads nothing from the device: every decision comes from host statistics and the host copy
+        of the committed ids (`start`, `observe`), except where `host_reads_are_free` (the CPU, one row)."""
+        if first:  # the prefill forward comes first: its hidden states are the first context
+            return Proposal(input_ids, None, None, self.model_kwargs_overrides)
         length = input_ids.shape[1]
-        room = self.main_model_max_length - length - 1
+        room = self.main_model_max_length - length - 1 if room is None else room
         copy = None
         if self.lookup is not None and room > 0:
             self.copy_start, copy = self.lookup.find(self.main_model_max_length)
@@ -235,11 +233,12 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
         logits = self._draft_logits(hidden).to(input_ids.device)
         first_draft = confidences = None
         # On an accelerator these reads would stop the host between the drafter's forward and the target's (and a
-        # verified draft costs almost nothing there anyway): the CPU only.
-        if host_reads_are_free(logits.device):
+        # verified draft costs almost nothing there anyway): the CPU only, and one sequence (a batch verifies as
+        # many drafts in every row).
+        if host_reads_are_free(logits.device) and input_ids.shape[0] == 1:
             if self.planner.pending is not None:
-                first = logits[:, 0] if len(self.logits_processor) == 0 else self.logits_processor(input_ids, logits[:, 0].clone())
-                first_draft = int(first.argmax(dim=-1)[0])  # the greedy draft, after the processors
+                top = logits[:, 0] if len(self.logits_processor) == 0 else self.logits_processor(input_ids, logits[:, 0].clone())
+                first_draft = int(top.argmax(dim=-1)[0])  # the greedy draft, after the processors
             if self.policy is not None and plan.num_drafts > 1:
                 # the probability of each slot's most likely token, before any processor (under greedy decoding
                 # without processors, that of the draft itself)
@@ -363,19 +362,17 @@ class DFlashCandidateGenerator(DFlashTokenCandidateGenerator):
             scores = None  # verified by the reference rule: keep drafts equal to a sample of the target
         return drafts, scores
 
-    def observe(self, proposal: Proposal, tokens: list[int], seconds: float = 0.0) -> None:
-        """After each target forward: the step verified `proposal`, committed `tokens` (host ids: its accepted
-        proposed tokens and the target's own), and took `seconds` (drafting and verifying)."""
-        self.committed += tokens
+    def observe(self, proposal: Proposal, tokens: list[list[int]], seconds: float = 0.0) -> None:
+        """After each target forward: the step verified `proposal`, committed each row's `tokens` (host ids: its
+        accepted proposed tokens and the target's own), and took `seconds` (drafting and verifying). A batch's rows
+        are pooled into one set of statistics."""
+        for committed, row_tokens in zip(self.committed, tokens):
+            committed += row_tokens
         if self.lookup is not None:
-            self.lookup.extend(tokens)
+            self.lookup.extend(tokens[0])
         if proposal.plan is not None:
-            self.planner.observe(proposal.plan, len(tokens) - 1, seconds, self.committed)
-
-    def update_candidate_strategy(self, input_ids: torch.LongTensor, scores, num_matches: int):
-        """Upstream's contract, after a step that `get_candidates` proposed: `input_ids` ends with the `num_matches`
-        accepted tokens and the target's own (read on the host here; the loop hands them to `observe`)."""
-        self.observe(self.last_proposal, input_ids[0, -int(num_matches) - 1 :].tolist())
+            accepted = [len(row_tokens) - 1 for row_tokens in tokens]
+            self.planner.observe(proposal.plan, accepted, seconds, self.committed[0])
 
 
 __all__ = ["ADAPTIVE", "DEFAULT_LOOKUP", "DFlashCandidateGenerator", "PROPOSALS", "Proposal", "check_settings",

@@ -4,7 +4,8 @@ It is ours rather than transformers' assisted loop because that loop cannot take
 generator than its own, stops only at block ends, and returns no statistics; it reuses transformers'
 pieces (`prepare_inputs_for_generation`, caches that crop and roll back linear-attention states).
 `api.dflash_decode`, the `custom_generate` callable, checks the call and builds the candidate generator
-before handing both to `decode`.
+before handing both to `decode` (one sequence) or `batched.decode_batch` (a batch); both run each step's
+target forward, processors, verification and read through `target_step`.
 
 On an accelerator the host waits whenever it reads a value the device computed. Each step reads one
 small tensor, the accepted length with the proposed tokens and the target's own; the end of the call
@@ -13,14 +14,70 @@ come from it (tests/test_host_syncs.py counts).
 """
 
 import time
+from typing import NamedTuple
 
 import torch
 from transformers import PreTrainedModel, StoppingCriteriaList
 from transformers.generation.stopping_criteria import EosTokenCriteria, MaxLengthCriteria
 
-from .candidate_generator import DFlashCandidateGenerator
+from .candidate_generator import DFlashCandidateGenerator, Proposal
 from .stats import DFlashGenerateOutput, DFlashStats
 from .verify import verify
+
+
+class Verified(NamedTuple):
+    """What `target_step` returns: the target's `outputs`; its float32 `logits` `(batch, k + 1, vocab)` at the
+    anchor and every draft, and the same after the processors (`scores`); `num_accepted` and `next_token`
+    `(batch,)` on the device; each row's accepted drafts (`accepted`, host) and committed `tokens` (host ids: the
+    accepted drafts and the target's own token, cut after the first EOS and at the row's room)."""
+
+    outputs: object
+    logits: torch.Tensor
+    scores: torch.Tensor
+    num_accepted: torch.LongTensor
+    next_token: torch.LongTensor
+    accepted: list[int]
+    tokens: list[list[int]]
+
+
+def target_step(model: PreTrainedModel, proposal: Proposal, length: int, model_kwargs: dict, logits_processor,
+                do_sample: bool, eos: tuple[int, ...], rooms: list[int], first: bool = False, forward=None,
+                attention_mask=None) -> Verified:
+    """One target forward over every row's `[anchor, drafts]` (the whole prompt at the prefill, `first`), the
+    processors on each slot's prefix, verification, and the step's one host read.
+
+    Args:
+        proposal (`Proposal`): `ids` `(batch, length + k [+ padding])`: the sequences (each ending with its anchor)
+            followed by the drafts, and maybe copies of the last one that a compiled forward's width needs.
+        length (`int`): the sequences' length before the drafts.
+        model_kwargs (`dict`): covering `ids` whole (the attention mask, the positions).
+        rooms (`list[int]`): the tokens each row may still commit (`max_length`).
+        forward: the target's forward to run (default: the model's own; `decode` passes a compiled one).
+        attention_mask: masks to give the forward instead of the ones transformers builds (a batch's windows).
+    """
+    ids, num_drafts = proposal.ids, proposal.num_proposed
+    width = ids.shape[1] - length + 1
+    inputs = model.prepare_inputs_for_generation(ids, next_sequence_length=None if first else width,
+                                                 is_first_iteration=first, **model_kwargs)
+    if "logits_to_keep" in inputs:
+        inputs["logits_to_keep"] = width
+    if attention_mask is not None:
+        inputs["attention_mask"] = attention_mask
+    outputs = (forward or model)(**(inputs | proposal.model_kwargs_overrides))
+    logits = outputs.logits[:, -width:][:, : num_drafts + 1].to(ids.device, torch.float32)
+    scores = logits.clone()
+    for i in range(num_drafts + 1):  # the prefix each slot's token follows, as plain generate gives it
+        scores[:, i] = logits_processor(ids[:, : length + i], scores[:, i])
+    drafts = ids[:, length : length + num_drafts]
+    num_accepted, next_token = verify(drafts, proposal.scores, scores, do_sample)
+    read = torch.cat([num_accepted, next_token, drafts.reshape(-1)]).tolist()
+    batch, tokens = ids.shape[0], []
+    for row in range(batch):
+        offset = 2 * batch + row * num_drafts
+        committed = read[offset : offset + read[row]] + [read[batch + row]]
+        end = next((i + 1 for i, token in enumerate(committed) if token in eos), len(committed))
+        tokens.append(committed[: min(end, rooms[row])])
+    return Verified(outputs, logits, scores, num_accepted, next_token, read[:batch], tokens)
 
 
 @torch.no_grad()
@@ -38,69 +95,54 @@ def decode(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_id
     hidden_states = () if keep and generation_config.output_hidden_states else None
 
     compiled, widths, capacity = _compiled_verify(model, generation_config, model_kwargs, generator.longest_verify)
-    outputs, accepted, first = None, 0, True
+    first, max_length = True, generation_config.max_length
     while True:
         start = time.perf_counter()
-        # 1. Drafts or a copy (nothing for the prefill and for plain steps), from the last forward's hidden states.
-        proposal = generator.propose(input_ids, model_kwargs, outputs, first, accepted)
+        # 1. Drafts or a copy (nothing for the prefill and for plain steps), from the committed context.
         length = input_ids.shape[1]
-        num_drafts = proposal.ids.shape[1] - length
+        proposal = generator.propose(input_ids, model_kwargs, first, room=max_length - length - 1)
         drafted = time.perf_counter()
         # 2. One target forward over [last token, drafts] (the whole prompt at the prefill). A compiled forward
         # runs at a few fixed widths, so that its graphs are reused: the drafts are padded with copies of the
         # last one, which the causal mask hides from the real positions and the crop below drops from the cache.
-        ids, width, forward = proposal.ids, num_drafts + 1, model
+        width, forward = proposal.num_proposed + 1, None
         if compiled is not None and not first:
             padded = next(w for w in widths if w >= width)
             if length - 1 + padded <= capacity:  # else this forward runs eagerly: a padded one would not fit
-                ids = torch.cat([ids, ids[:, -1:].expand(-1, padded - width)], dim=-1)
+                ids = proposal.ids
+                proposal = proposal._replace(ids=torch.cat([ids, ids[:, -1:].expand(-1, padded - width)], dim=-1))
                 width, forward = padded, compiled
-        inputs = model.prepare_inputs_for_generation(
-            ids, next_sequence_length=None if first else width, is_first_iteration=first,
-            **_extend(model_kwargs, width - 1),
-        )
-        if "logits_to_keep" in inputs:
-            inputs["logits_to_keep"] = width
-        outputs = forward(**(inputs | proposal.model_kwargs_overrides))
+        # 3. Accepted prefix + one token of the target's: the step's one host read, cut at EOS and max_length.
+        step = target_step(model, proposal, length, extend_kwargs(model_kwargs, width - 1), logits_processor,
+                           generation_config.do_sample, eos, [max_length - length], first, forward)
+        outputs, tokens = step.outputs, step.tokens[0]
         if first and not outputs.cache.is_croppable:
             raise ValueError(f"DFlash needs a target cache that can be cropped after rejected drafts; "
                              f"{type(cache).__name__} of {type(model).__name__} cannot (a static cache with "
                              f"sliding-window layers cannot). Use the default cache.")
-        logits = outputs.logits[:, -width:][:, : num_drafts + 1].to(input_ids.device, torch.float32)
-        processed = logits.clone()
-        for i in range(num_drafts + 1):
-            processed[:, i] = logits_processor(proposal.ids[:, : length + i], processed[:, i])
-        # 3. Accepted prefix + one token of the target's: the step's one host read, cut at EOS and max_length.
-        drafts = proposal.ids[:, length:]
-        num_accepted, next_token = verify(drafts, proposal.scores, processed, generation_config.do_sample)
-        read = torch.cat([num_accepted, next_token, drafts[0]]).tolist()
-        tokens = read[2 : 2 + read[0]] + [read[1]]
-        ends = next((i + 1 for i, token in enumerate(tokens) if token in eos), None)
-        tokens = tokens[: min(ends or len(tokens), generation_config.max_length - length)]
-        new_tokens = torch.cat([drafts[:, : read[0]], next_token[:, None]], dim=-1)[:, : len(tokens)]
-        new_tokens, stopped = _cut_at_criteria(new_tokens, input_ids, processed, per_token)
+        new_tokens = torch.cat([proposal.ids[:, length : length + step.accepted[0]], step.next_token[:, None]], dim=-1)
+        new_tokens, stopped = _cut_at_criteria(new_tokens[:, : len(tokens)], input_ids, step.scores, per_token)
         tokens = tokens[: new_tokens.shape[1]]
         committed = len(tokens)
-        done = ends is not None or stopped or length + committed >= generation_config.max_length
-        # 4. Commit: the cache keeps exactly the committed tokens but the last (recurrent states too).
+        done = tokens[-1] in eos or stopped or length + committed >= max_length
+        # 4. Commit: the cache keeps exactly the committed tokens but the last (recurrent states too), the drafter
+        # their context.
         input_ids = torch.cat([input_ids, new_tokens], dim=-1)
         cache.crop(-(width - committed))
-        model_kwargs = _extend(model_kwargs, committed)
+        generator.ingest(outputs, None if first else committed)
+        model_kwargs = extend_kwargs(model_kwargs, committed)
         if streamer is not None:
             streamer.put(torch.tensor([tokens]))  # from the host copy: no second read
         if scores is not None:
-            scores += tuple(processed[:, i] for i in range(committed))
+            scores += tuple(step.scores[:, i] for i in range(committed))
         if raw_logits is not None:
-            raw_logits += tuple(logits[:, i] for i in range(committed))
+            raw_logits += tuple(step.logits[:, i] for i in range(committed))
         if hidden_states is not None:
             hidden_states += (tuple(h[:, -width:][:, :committed] if not first else h for h in outputs.hidden_states),)
         now = time.perf_counter()
-        stats.draft_seconds += drafted - start
-        stats.verify_seconds += now - drafted
-        if proposal.plan is not None:  # (None: the prefill, which proposed nothing)
-            stats.record(proposal.num_proposed, committed - 1, proposal.copied)
-        generator.observe(proposal, tokens, now - start)
-        accepted, first = committed - 1, False
+        record(stats, proposal, [tokens], drafted - start, now - drafted)
+        generator.observe(proposal, [tokens], now - start)
+        first = False
         if done:
             break
     if streamer is not None:
@@ -109,6 +151,18 @@ def decode(model: PreTrainedModel, generator: DFlashCandidateGenerator, input_id
         return input_ids
     return DFlashGenerateOutput(sequences=input_ids, scores=scores, logits=raw_logits, hidden_states=hidden_states,
                                 cache=cache, dflash_stats=stats)
+
+
+def record(stats: DFlashStats, proposal: Proposal, tokens: list[list[int]], draft_seconds: float,
+           verify_seconds: float, rows: list[DFlashStats] = ()) -> None:
+    """A step into the call's statistics (one verification forward per row) and each row's own (`rows`, a batch)."""
+    stats.draft_seconds += draft_seconds
+    stats.verify_seconds += verify_seconds
+    if proposal.plan is None:  # the prefill, which proposed nothing
+        return
+    for row, row_tokens in enumerate(tokens):
+        for counted in (stats, rows[row]) if rows else (stats,):
+            counted.record(proposal.num_proposed, len(row_tokens) - 1, proposal.copied)
 
 
 def per_token_criteria(stopping_criteria: StoppingCriteriaList) -> StoppingCriteriaList:
@@ -129,7 +183,7 @@ def _compiled_verify(model, generation_config, model_kwargs: dict, longest: int)
     return model.get_compiled_call(generation_config.compile_config), widths, capacity
 
 
-def _extend(model_kwargs: dict, num_tokens: int) -> dict:
+def extend_kwargs(model_kwargs: dict, num_tokens: int) -> dict:
     """`model_kwargs` whose per-position entries cover `num_tokens` more tokens (as transformers grows them)."""
     if num_tokens == 0:
         return model_kwargs
@@ -156,4 +210,4 @@ def _cut_at_criteria(new_tokens, input_ids, scores, criteria: StoppingCriteriaLi
     return new_tokens, False
 
 
-__all__ = ["decode", "per_token_criteria"]
+__all__ = ["Verified", "decode", "extend_kwargs", "per_token_criteria", "record", "target_step"]

@@ -55,11 +55,18 @@ class StepCosts:
     def __init__(self, max_drafts: int, draft: float = DRAFT, per_draft: float = PER_DRAFT, memory: float = 8.0,
                  fallback: "StepCosts | None" = None):
         self.draft, self.per_draft = draft, per_draft
-        self.prior = [1.0] + [1.0 + draft + per_draft * n for n in range(1, max_drafts + 1)]
+        self.prior: list[float] = []
+        self.set_rows(1, max_drafts)
         self.weight = 1.0 / memory
         self.mean: list[float | None] = [None] * (max_drafts + 1)
         self.scale: float | None = None  # seconds per prior unit, over all steps
         self.fallback = fallback  # priced by its scale until this one has seen a step (same units)
+
+    def set_rows(self, rows: int, max_drafts: int | None = None) -> None:
+        """Prices a step of a batch of `rows` sequences: each verified draft adds a token per row to the target's
+        forward (`per_draft` is one row's). Steps seen so far keep their measured seconds."""
+        max_drafts = len(self.prior) - 1 if max_drafts is None else max_drafts
+        self.prior = [1.0] + [1.0 + self.draft + self.per_draft * rows * n for n in range(1, max_drafts + 1)]
 
     def observe(self, num_drafts: int, seconds: float) -> None:
         self.mean[num_drafts] = self._update(self.mean[num_drafts], seconds)
@@ -280,7 +287,7 @@ class CopyPolicy:
         """A copy found at `position` (the index its first token would have) was not verified."""
         self.passed_over.append((position, tokens))
 
-    def observe(self, num_copied: int, num_accepted: int, seconds: float | None = None) -> None:
+    def observe(self, num_copied: int, num_accepted: int | list[int], seconds: float | None = None) -> None:
         """A step verified a copy of `num_copied` tokens and committed the first `num_accepted`."""
         self.stats.observe(num_copied, num_accepted, seconds)
         if self.drafts is not None:  # the drafts' statistics fade with every step
@@ -369,9 +376,10 @@ class StepPlanner:
             self.copies.pass_over(*self.pending)
             self.pending = None
 
-    def observe(self, plan: Plan, num_accepted: int, seconds: float, committed: list[int]) -> None:
-        """The step verified `plan`, committed the first `num_accepted` proposed tokens and took `seconds`;
-        `committed` is the whole sequence so far (prompt included), which scores the copies passed over."""
+    def observe(self, plan: Plan, num_accepted: int | list[int], seconds: float, committed: list[int]) -> None:
+        """The step verified `plan`, committed the first `num_accepted` proposed tokens (a batch: one count per row,
+        pooled) and took `seconds`; `committed` is the whole sequence so far (prompt included), which scores the
+        copies passed over."""
         if plan.copy is not None:
             if self.copies is not None:  # (and with it the draft policy, if any: both need "adaptive")
                 self.copies.observe(len(plan.copy), num_accepted, seconds)

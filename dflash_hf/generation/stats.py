@@ -1,6 +1,7 @@
 """What a DFlash `generate` call reports: its statistics and the output type that carries them."""
 
-from dataclasses import dataclass, field
+import copy
+from dataclasses import dataclass, field, fields
 
 from transformers.generation.utils import GenerateDecoderOnlyOutput
 
@@ -64,21 +65,11 @@ class DFlashStats:
         return sum(self.acceptance_lengths)
 
     def as_dict(self) -> dict:
-        return {
-            "acceptance_lengths": list(self.acceptance_lengths),
-            "verify_lengths": list(self.verify_lengths),
-            "mean_acceptance_length": self.mean_acceptance_length,
-            "acceptance_rate": self.acceptance_rate,
-            "num_target_forwards": self.num_target_forwards,
-            "drafted_tokens": self.drafted_tokens,
-            "accepted_tokens": self.accepted_tokens,
-            "copied_steps": self.copied_steps,
-            "copied_accepted_tokens": self.copied_accepted_tokens,
-            "draft_seconds": self.draft_seconds,
-            "verify_seconds": self.verify_seconds,
-            "plain_steps": self.plain_steps,
-            **({"rows": [row.as_dict() for row in self.rows]} if self.rows else {}),
-        }
+        """The counters and the figures derived from them, JSON-ready (a batch's rows each as their own)."""
+        values = {f.name: copy.copy(getattr(self, f.name)) for f in fields(self) if f.name != "rows"}
+        for name in ("mean_acceptance_length", "acceptance_rate", "num_target_forwards", "plain_steps"):
+            values[name] = getattr(self, name)
+        return values | ({"rows": [row.as_dict() for row in self.rows]} if self.rows else {})
 
 
 @dataclass
