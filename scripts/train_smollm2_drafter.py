@@ -342,7 +342,8 @@ def main(argv=None) -> int:
     cache = output_dir / "data" / "responses.jsonl"
     more_cache = output_dir / "data" / "more_responses.jsonl"
     if args.save_responses:
-        print(f"{save_responses(cache, exclude=MORE_RESPONSES)} responses written to {RESPONSES}")
+        if cache.is_file():
+            print(f"{save_responses(cache, exclude=MORE_RESPONSES)} responses written to {RESPONSES}")
         if more_cache.is_file():
             print(f"{save_responses(more_cache, MORE_RESPONSES)} responses written to {MORE_RESPONSES}")
         return 0

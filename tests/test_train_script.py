@@ -207,3 +207,15 @@ def test_answers_brought_back_merge_into_the_committed_file(tmp_path, monkeypatc
     assert script.main(["--output-dir", str(tmp_path / "run"), "--merge-more", str(tmp_path / "back.jsonl.gz")]) == 0
     merged = script.load_responses_gz(script.MORE_RESPONSES)
     assert merged == {(1,): old[0], (2,): new[0], (3,): new[1]}  # the prompt answered twice keeps the newer answer
+
+
+def test_save_responses_of_a_generation_run_writes_the_second_file_alone(tmp_path, monkeypatch):
+    monkeypatch.setattr(script, "RESPONSES", tmp_path / "first.jsonl.gz")
+    monkeypatch.setattr(script, "MORE_RESPONSES", tmp_path / "more.jsonl.gz")
+    run = tmp_path / "run"
+    (run / "data").mkdir(parents=True)
+    record = {"input_ids": [4, 5, 6], "loss_mask": [0, 1, 1]}
+    (run / "data" / "more_responses.jsonl").write_text(json.dumps(record) + "\n")
+    assert script.main(["--output-dir", str(run), "--save-responses"]) == 0
+    assert script.load_responses_gz(script.MORE_RESPONSES) == {(4,): record}
+    assert not script.RESPONSES.exists()
