@@ -495,3 +495,27 @@ def test_distill_mixes_extra_examples_into_the_regenerated_ones(tmp_path, monkey
     _, metrics = trainer.distill(target, tok, ["abc", "de f"], cfg, max_new_tokens=4, extra_examples=extra)
     assert seen["examples"][2:] == extra and len(seen["examples"]) == 8
     assert metrics["extra_examples"] == 6 and metrics["train_examples"] == 8
+
+
+def test_cli_train_mixes_the_extra_examples_file_into_the_answers(tmp_path):
+    import gzip
+    import json
+
+    from dflash_hf import cli
+
+    tiny.qwen3_target().save_pretrained(tmp_path / "target")
+    tiny.tokenizer().save_pretrained(tmp_path / "target")
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "abc"}\n{"prompt": "de f"}\n')
+    extra = pattern_examples(n=4)
+    (tmp_path / "extra.jsonl.gz").write_bytes(gzip.compress("".join(json.dumps(e) + "\n" for e in extra).encode()))
+    out = tmp_path / "out"
+    code = cli.main(["train", "--target", str(tmp_path / "target"), "--output-dir", str(out), "--dtype", "float32",
+                     "--prompts", str(tmp_path / "prompts.jsonl"), "--extra-examples", str(tmp_path / "extra.jsonl.gz"),
+                     "--max-new-tokens", "4", "--block-size", "4", "--num-draft-layers", "1", "--epochs", "1",
+                     "--batch-size", "2", "--eval-prompts", "", "--progress", "False", "--mask-token-id",
+                     str(tiny.MASK_ID), "--target-layer-ids", "0", "2"])
+    assert code == 0
+    metrics = json.loads((out / "training_metrics.json").read_text())
+    assert metrics["extra_examples"] == 4 and metrics["train_examples"] == 6 and metrics["global_step"] == 3
+    # the labels trained on: both answers (4 tokens each) and every extra example's
+    assert metrics["train_response_tokens"] == 2 * 4 + sum(sum(e["loss_mask"]) for e in extra)
