@@ -83,9 +83,9 @@ def dflash_decode(
 
 
 def _start(model, drafter, input_ids, generation_config, logits_processor, model_kwargs, stopping_criteria, call, stored):
-    """Checks the call before any forward and builds its candidate generator, started with the prompt; returns it
-    and the EOS ids. What the call needs of the device (the prompt, whether it is padded, the EOS ids) is read in
-    one transfer."""
+    """Checks the call before any forward and builds its candidate generator, started with the prompts; returns it
+    and the EOS ids. What the call needs of the device (the prompts, whether they are padded, the EOS ids) is read
+    in one transfer."""
     if drafter is None:
         raise TypeError("dflash_decode needs the drafter: generate(..., custom_generate=dflash_decode, drafter=drafter).")
     settings = {**DEFAULTS, **(stored or {})}
@@ -125,8 +125,7 @@ def _start(model, drafter, input_ids, generation_config, logits_processor, model
     mask = model_kwargs.get("attention_mask")
     eos = next((c.eos_token_id for c in stopping_criteria if isinstance(c, EosTokenCriteria)), None)
     unpadded = mask.all() if mask is not None else input_ids.new_ones(())
-    prompts, unpadded, eos = _read(input_ids, unpadded, eos if eos is not None else input_ids.new_zeros(0))
-    prompts = [prompts[row * input_ids.shape[1] : (row + 1) * input_ids.shape[1]] for row in range(input_ids.shape[0])]
+    *prompts, unpadded, eos = _read(*input_ids, unpadded, eos if eos is not None else input_ids.new_zeros(0))
     if (mismatch := next(filter(None, (chat_mode_mismatch(drafter, prompt) for prompt in prompts)), None)) is not None:
         warnings.warn(mismatch, UserWarning, stacklevel=2)
     generator = DFlashCandidateGenerator(model, drafter, generation_config, logits_processor, **settings)

@@ -19,7 +19,7 @@ Every row verifies the same number of drafts, so that one target forward covers 
 (or the whole block), or by default the adaptive length (`policy.AdaptiveVerifyLength`) of the batch: one length,
 the one with the most expected tokens per second for the batch, from the rows' acceptance pooled into one set of
 statistics and the batch's own step costs (a batch's forward grows with rows x tokens: on a CPU, where a verified
-draft costs B tokens, it falls back to plain steps as the batch grows). Like batch 1's, it is chosen before the
+draft costs B tokens, it falls back to plain steps as the batch grows; repriced as rows leave). Like batch 1's, it is chosen before the
 drafter runs, from host statistics only, which keeps sampling exact; the per-slot confidence cut and copies from
 the context are per sequence and off in batches. What holes cannot serve is refused up front (`check_batch`): linear-attention
 layers (a recurrent state counts slots, not the row's tokens) and flash attention with a sliding window (it

@@ -54,19 +54,17 @@ class StepCosts:
 
     def __init__(self, max_drafts: int, draft: float = DRAFT, per_draft: float = PER_DRAFT, memory: float = 8.0,
                  fallback: "StepCosts | None" = None):
-        self.draft, self.per_draft = draft, per_draft
-        self.prior: list[float] = []
-        self.set_rows(1, max_drafts)
+        self.draft, self.per_draft, self.max_drafts = draft, per_draft, max_drafts
+        self.set_rows(1)
         self.weight = 1.0 / memory
         self.mean: list[float | None] = [None] * (max_drafts + 1)
         self.scale: float | None = None  # seconds per prior unit, over all steps
         self.fallback = fallback  # priced by its scale until this one has seen a step (same units)
 
-    def set_rows(self, rows: int, max_drafts: int | None = None) -> None:
+    def set_rows(self, rows: int) -> None:
         """Prices a step of a batch of `rows` sequences: each verified draft adds a token per row to the target's
         forward (`per_draft` is one row's). Steps seen so far keep their measured seconds."""
-        max_drafts = len(self.prior) - 1 if max_drafts is None else max_drafts
-        self.prior = [1.0] + [1.0 + self.draft + self.per_draft * rows * n for n in range(1, max_drafts + 1)]
+        self.prior = [1.0] + [1.0 + self.draft + self.per_draft * rows * n for n in range(1, self.max_drafts + 1)]
 
     def observe(self, num_drafts: int, seconds: float) -> None:
         self.mean[num_drafts] = self._update(self.mean[num_drafts], seconds)
