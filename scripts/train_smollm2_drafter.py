@@ -32,6 +32,14 @@ requests, `--num-prompts 5646` into a new output directory (from step 7,300; pro
 now keeps its best round's drafter in `<output-dir>/best`, for `ship()` by hand). Rerunning
 without those options continues at the constant rate again.
 
+Issue 38 (tau against the amount of data): a second answer set, `more_prompts()` (about 24,000 prompts no first-set
+prompt repeats), answered by `--generate-more N` (resumable, committed in `smollm2_more_responses.jsonl.gz` beside
+this script; 864 answers made on the CPU so far) and trained on with `--more-prompts N`; `--source-examples N` mixes
+in teacher-forced pieces of the standard library's sources. The first arms, from the shipped step-8,300 weights,
+each `--rounds 1 --steps-per-round 300 --learning-rate 1e-4 --lr-scheduler-type linear --max-steps 300
+--num-prompts 5646` into its own output directory, the second with `--source-examples 5646` as well: their held-out
+tau is in the model card's "Data curve" section. `scripts/device_train_smollm2.sh` makes the 4x set on a GPU.
+
 Training prompts: about 2,100 requests for ordinary text (`prose_requests`: stories, descriptions and
 letters about emoji names and time-zone cities, then dialogues, reports, arguments, itineraries over the
 same topics), 1,500 over the target vocabulary's most frequent words (`word_requests`; no topic shares a
