@@ -34,7 +34,7 @@ without those options continues at the constant rate again.
 
 Issue 38 (tau against the amount of data): a second answer set, `more_prompts()` (about 24,000 prompts no first-set
 prompt repeats), answered by `--generate-more N` (resumable, committed in `smollm2_more_responses.jsonl.gz` beside
-this script; 864 answers made on the CPU so far) and trained on with `--more-prompts N`; `--source-examples N` mixes
+this script; 1,952 answers made on the CPU so far) and trained on with `--more-prompts N`; `--source-examples N` mixes
 in teacher-forced pieces of the standard library's sources. The first arms, from the shipped step-8,300 weights,
 each `--rounds 1 --steps-per-round 300 --learning-rate 1e-4 --lr-scheduler-type linear --max-steps 300
 --num-prompts 5646` into its own output directory, the second with `--source-examples 5646` as well: their held-out
