@@ -57,14 +57,14 @@ def _plain_targets(args: argparse.Namespace, target, dtypes: list[str] | None = 
     """Plain generate's configurations by path name (`"float32 packed"`): the DFlash target itself and each of
     `hardware.plain_paths` (or `dtypes`, eager and packed), loaded apart."""
     from . import embedded, hardware
-    from .packed import path_name
+    from .packed import path_label, path_name
 
     paths = hardware.plain_paths(str(target.device))
     if dtypes is not None:
         paths = [(dtype, packed) for dtype, packed in paths if dtype in dtypes]
     models = {path_name(target): target}
     for dtype, packed in paths:
-        name = f"{dtype} packed" if packed else dtype
+        name = path_label(dtype, packed)
         if name not in models:
             models[name] = embedded.load_target(args.target, dtype=dtype, device=args.device, packed=packed)[0]
     return models

@@ -193,7 +193,7 @@ def load_target(name_or_path: str, dtype: str = "auto", device: str | None = Non
     target's shape yet, time it now (`hardware.calibrate`, a few seconds for SmolLM2, cached; `say` is told)."""
     if packed not in (True, False, "auto"):
         raise ValueError(f"packed must be True, False or 'auto', got {packed!r}")
-    on_cpu = (device or "cpu") == "cpu" and not hardware.runs_on_cuda(device)
+    on_cpu = hardware.runs_on_cpu(device)
     config = None
     if on_cpu and ("auto" in (dtype, packed) or calibrate):
         config = _target_config(name_or_path)

@@ -88,7 +88,6 @@ def native_cpu_bf16() -> bool:
 
 # ------------------------------------------------------------------------------------------------ calibration
 CALIBRATION_DTYPES = ("float32", "bfloat16")
-MODES = ("eager", "packed")
 # The prior tau and drafter cost (in the target's one-token steps) a calibration chooses DFlash's path with:
 # the shipped SmolLM2 drafter's held-out tau is ~2.5 on code and ~1.4 on prose, its forward 0.3 of a step.
 PRIOR_TAU, DRAFT = 2.0, 0.3
@@ -230,6 +229,11 @@ def runs_on_cuda(device: str | None) -> bool:
     return (device or "cpu").startswith("cuda") or (device is None and torch.cuda.is_available())
 
 
+def runs_on_cpu(device: str | None) -> bool:
+    """Whether a model loaded for `device` runs on the CPU (`None`: where no CUDA device is found)."""
+    return (device or "cpu") == "cpu" and not runs_on_cuda(device)
+
+
 def resolve_dtype(dtype: str, device: str | None = None, for_training: bool = False, config=None) -> str:
     """The dtype DFlash (and a target loaded for it) runs in; `"auto"` picks it by the hardware:
 
@@ -259,7 +263,7 @@ def use_packed(dtype: str, config=None, device: str | None = None) -> bool:
     """Whether a target of `config`'s shape in `dtype` decodes faster with packed linears on this CPU: where the
     calibration says its DFlash step (`_dflash_seconds_per_token`) is cheaper packed; without a calibration, on
     any CPU with the ops (every calibrated CPU so far measured packed faster in float32)."""
-    if runs_on_cuda(device) or (device or "cpu") != "cpu" or not packed_ops_available():
+    if not runs_on_cpu(device) or not packed_ops_available():
         return False
     entry = cached_calibration(config) if config is not None else None
     if entry is None or "packed" not in entry["ms"].get(dtype, {}):
@@ -294,7 +298,7 @@ def cost_prior(model) -> dict:
 def plain_paths(device: str | None = None) -> list[tuple[str, bool]]:
     """`(dtype, packed)` of every plain configuration demo and bench time: each of `plain_dtypes`, eager and (on a
     CPU with the ops) packed, so that a speedup is over the fastest thing a user could run."""
-    packs = (False, True) if not runs_on_cuda(device) and (device or "cpu") == "cpu" and packed_ops_available() else (False,)
+    packs = (False, True) if runs_on_cpu(device) and packed_ops_available() else (False,)
     return [(dtype, packed) for dtype in plain_dtypes(device) for packed in packs]
 
 
@@ -309,4 +313,5 @@ def plain_dtypes(device: str | None = None) -> list[str]:
 
 __all__ = ["CPU_FLAGS", "cache_dir", "cached_calibration", "calibrate", "calibration_file", "cost_prior", "cpu_features",
            "describe_calibration", "describe_cpu", "describe_device", "fastest_paths", "machine_key", "native_cpu_bf16",
-           "plain_dtypes", "plain_paths", "resolve_dtype", "runs_on_cuda", "target_key", "time_forwards", "use_packed"]
+           "plain_dtypes", "plain_paths", "resolve_dtype", "runs_on_cpu", "runs_on_cuda", "target_key", "time_forwards",
+           "use_packed"]

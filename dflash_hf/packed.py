@@ -139,9 +139,13 @@ def is_packed(model: nn.Module) -> bool:
 
 def path_name(model: nn.Module) -> str:
     """How `model` computes: its dtype, and `packed` where its linears are (`"bfloat16 packed"`, `"float32"`)."""
-    dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
-    return f"{dtype} packed" if is_packed(model) else dtype
+    return path_label(str(next(model.parameters()).dtype).removeprefix("torch."), is_packed(model))
 
 
-__all__ = ["PACKED_DTYPES", "PackedLinear", "is_packed", "pack_linears", "packed_bytes", "packed_ops_available", "path_name",
-           "unpack_linears"]
+def path_label(dtype: str, packed: bool) -> str:
+    """The name `path_name` gives a model in `dtype`, packed or not."""
+    return f"{dtype} packed" if packed else dtype
+
+
+__all__ = ["PACKED_DTYPES", "PackedLinear", "is_packed", "pack_linears", "packed_bytes", "packed_ops_available",
+           "path_label", "path_name", "unpack_linears"]
