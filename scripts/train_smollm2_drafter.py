@@ -38,7 +38,8 @@ this script; 1,952 answers made on the CPU so far) and trained on with `--more-p
 in teacher-forced pieces of the standard library's sources. The first arms, from the shipped step-8,300 weights,
 each `--rounds 1 --steps-per-round 300 --learning-rate 1e-4 --lr-scheduler-type linear --max-steps 300
 --num-prompts 5646` into its own output directory, the second with `--source-examples 5646` as well: their held-out
-tau is in the model card's "Data curve" section. `scripts/device_train_smollm2.sh` makes the 4x set on a GPU.
+tau is in the model card's "Data curve" section, with the curve `smollm2_data_curve.py` beside this script
+measured (from scratch, equal passes and equal steps). `scripts/device_train_smollm2.sh` makes the 4x set on a GPU.
 
 Training prompts: about 2,100 requests for ordinary text (`prose_requests`: stories, descriptions and
 letters about emoji names and time-zone cities, then dialogues, reports, arguments, itineraries over the
