@@ -22,8 +22,6 @@ Each arm is resumable (checkpoints every 100 steps in `<output-dir>/<arm>`); a f
 
 import argparse
 import json
-import os
-import platform
 import random
 import sys
 import time
@@ -31,16 +29,15 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-from train_smollm2_drafter import ASSETS, MORE_RESPONSES, PROSE_EVAL, RESPONSES, load_responses_gz  # noqa: E402
+from train_smollm2_drafter import (ASSETS, MORE_RESPONSES, PROSE_EVAL, RECIPE, RESPONSES,  # noqa: E402
+                                   load_responses_gz)
 
 RESULTS = HERE / "smollm2_data_curve.jsonl"
 POOL_SEED = 38
 EVAL_SETS = {"humaneval": "humaneval:10", "prose": PROSE_EVAL}
-# The shipped drafter's recipe (train_smollm2_drafter.RECIPE) with a schedule for a short run from scratch.
-RECIPE = dict(block_size=8, num_draft_layers=2, target_layer_ids=[1, 8, 15, 22, 27], mask_token_id=16,
-              learning_rate=6e-4, lr_scheduler_type="cosine", warmup_ratio=0.04, batch_size=4, max_anchors=128,
-              restrict_vocab=True, mixed_precision="bf16", precompute_features=True, checkpoint_every=100,
-              log_every=20, progress=False)
+# What the curve changes in the shipped drafter's recipe (train_smollm2_drafter.RECIPE): a schedule for a short run
+# from scratch, the features computed once a run (an arm makes one or more passes), no progress bars.
+CURVE_SETTINGS = dict(lr_scheduler_type="cosine", warmup_ratio=0.04, precompute_features=True, progress=False)
 
 
 def pool() -> list[dict]:
@@ -66,14 +63,18 @@ def parse_arm(name: str) -> tuple[int, int, float]:
     return source, parse_count(size), float(passes or 1)
 
 
-def cpu_name() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
+def train_settings() -> dict:
+    """`TrainConfig` fields: the shipped recipe's options parsed as `dflash-hf train` parses them, then
+    `CURVE_SETTINGS`."""
+    from dataclasses import asdict
+
+    from transformers import HfArgumentParser
+
+    from dflash_hf.training.trainer import TrainConfig
+
+    parser = HfArgumentParser(TrainConfig, allow_abbrev=False)  # RECIPE's run options (--target, ...) stay unparsed
+    config, _ = parser.parse_args_into_dataclasses(RECIPE, return_remaining_strings=True)
+    return {**asdict(config), **CURVE_SETTINGS}
 
 
 def held_out_tau(target, tokenizer, drafter) -> dict:
@@ -89,20 +90,25 @@ def held_out_tau(target, tokenizer, drafter) -> dict:
 def run_arm(arm: str, output_dir: Path) -> dict:
     import torch
 
-    from dflash_hf import embedded
-    from dflash_hf.modeling_dflash import DFlashDraftModel
+    from dflash_hf import embedded, hardware
+    from dflash_hf.modeling_dflash import DFlashDraftModel, find_mask_token_id
+    from dflash_hf.targets import text_config
     from dflash_hf.training.trainer import TrainConfig, train_drafter
 
     target, tokenizer = embedded.load_target("smollm2", dtype="bfloat16")
     started = time.perf_counter()
-    record = {"arm": arm, "cpu": cpu_name(), "threads": torch.get_num_threads(), "torch": torch.__version__}
+    record = {"arm": arm, "cpu": hardware.describe_cpu(), "threads": torch.get_num_threads(), "torch": torch.__version__}
     if arm == "shipped":
         drafter = DFlashDraftModel.from_pretrained(ASSETS, dtype=torch.bfloat16)
     else:
         source, count, passes = parse_arm(arm)
 
+        settings = train_settings()
+        if settings["mask_token_id"] is None:  # as `dflash-hf train` chooses it
+            settings["mask_token_id"] = find_mask_token_id(tokenizer, text_config(target).vocab_size)
+
         def train(examples, folder, epochs, drafter=None):
-            config = TrainConfig(output_dir=str(folder), epochs=epochs, **RECIPE)
+            config = TrainConfig(**{**settings, "output_dir": str(folder), "epochs": epochs})
             return train_drafter(target, examples, config, drafter=drafter)
 
         trained, steps = None, 0

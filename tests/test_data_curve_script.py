@@ -46,9 +46,9 @@ def test_arms_train_nested_parts_of_both_answer_files_and_are_recorded_once(tmp_
     monkeypatch.setattr(curve, "MORE_RESPONSES", tmp_path / "second.jsonl.gz")
     monkeypatch.setattr(curve, "RESULTS", tmp_path / "curve.jsonl")
     monkeypatch.setattr(curve, "EVAL_SETS", {"humaneval": "humaneval:1", "prose": "prose:1"})
-    monkeypatch.setattr(curve, "RECIPE", dict(
-        curve.RECIPE, block_size=4, target_layer_ids=[0, 2], mask_token_id=tiny.MASK_ID, max_anchors=8,
-        mixed_precision="no", checkpoint_every=0))
+    monkeypatch.setattr(curve, "CURVE_SETTINGS", dict(
+        curve.CURVE_SETTINGS, block_size=4, target_layer_ids=[0, 2], max_anchors=8, mixed_precision="no",
+        checkpoint_every=0))
     target, tokenizer = tiny.qwen3_target(), tiny.tokenizer()
     loads = []
     monkeypatch.setattr(embedded, "load_target", lambda name, **kwargs: loads.append(name) or (target, tokenizer))
